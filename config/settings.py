@@ -1,0 +1,184 @@
+"""lorafleet settings, read from the environment (see README "Configuration").
+
+With no variables set, lorafleet runs on the embedded default: SQLite, a Celery filesystem
+transport and filesystem storage, all under ``var/``. Production sets DATABASE_URL (PostgreSQL),
+CELERY_BROKER_URL (Redis) and LORAFLEET_STORAGE=s3.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+from .env import database_from_url, env_bool, env_float, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("LORAFLEET_VAR_DIR", str(BASE_DIR / "var"))).resolve()
+
+DEBUG = env_bool("DJANGO_DEBUG", default=False)
+_DEV_SECRET = "insecure-embedded-default-only-never-in-production"
+SECRET_KEY = env_str("DJANGO_SECRET_KEY", _DEV_SECRET)
+if not DEBUG and SECRET_KEY == _DEV_SECRET and env_bool("LORAFLEET_PRODUCTION", default=False):
+    raise ImproperlyConfigured("Set the DJANGO_SECRET_KEY environment variable (LORAFLEET_PRODUCTION=1).")
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+
+DJANGO_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+]
+THIRD_PARTY_APPS = ["rest_framework", "drf_spectacular"]
+LOCAL_APPS = ["tenants", "adapters", "gateway", "inference_worker"]
+INSTALLED_APPS = DJANGO_APPS + THIRD_PARTY_APPS + LOCAL_APPS
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+WSGI_APPLICATION = "config.wsgi.application"
+ASGI_APPLICATION = "config.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- database -------------------------------------------------------------------------------
+_database_url = env_str("DATABASE_URL", "")
+if _database_url:
+    DATABASES = {"default": database_from_url("DATABASE_URL", _database_url)}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": VAR_DIR / "lorafleet.sqlite3",
+            "OPTIONS": {"timeout": 30, "transaction_mode": "IMMEDIATE"},
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "staticfiles"
+
+# --- storage --------------------------------------------------------------------------------
+# "adapters" holds adapter blobs, content-addressed by sha256 and never overwritten.
+LORAFLEET_STORAGE = env_str("LORAFLEET_STORAGE", "filesystem")
+if LORAFLEET_STORAGE == "filesystem":
+    _adapter_storage = {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(Path(env_str("LORAFLEET_STORAGE_DIR", str(VAR_DIR / "storage"))))},
+    }
+elif LORAFLEET_STORAGE == "s3":
+    _adapter_storage = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            "bucket_name": env_str("AWS_STORAGE_BUCKET_NAME"),
+            "endpoint_url": env_str("AWS_S3_ENDPOINT_URL", "") or None,
+            "access_key": env_str("AWS_ACCESS_KEY_ID", "") or None,
+            "secret_key": env_str("AWS_SECRET_ACCESS_KEY", "") or None,
+            "region_name": env_str("AWS_S3_REGION_NAME", "") or None,
+            "file_overwrite": False,
+            "default_acl": None,
+        },
+    }
+else:
+    raise ImproperlyConfigured(f"LORAFLEET_STORAGE must be 'filesystem' or 's3'; got {LORAFLEET_STORAGE!r}.")
+STORAGES = {
+    "default": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(VAR_DIR / "media")},
+    },
+    "adapters": _adapter_storage,
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+
+# Uploads stream to temporary files above this size, so the web process never holds them in memory.
+FILE_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
+DATA_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
+FILE_UPLOAD_TEMP_DIR = None
+
+# --- celery ---------------------------------------------------------------------------------
+_celery_dir = VAR_DIR / "celery"
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_celery_dir / "queue"),
+        "data_folder_out": str(_celery_dir / "queue"),
+        "processed_folder": str(_celery_dir / "processed"),
+        "store_processed": False,
+    }
+    CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", f"file://{_celery_dir / 'results'}")
+else:
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("LORAFLEET_VISIBILITY_TIMEOUT_S", 3600)}
+    CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", CELERY_BROKER_URL)
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]  # never pickle
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_RESULT_EXPIRES = 3600
+
+# --- lorafleet ------------------------------------------------------------------------------
+LORAFLEET_MAX_UPLOAD_BYTES = env_int("LORAFLEET_MAX_UPLOAD_BYTES", 1024 * 1024 * 1024)
+LORAFLEET_DEFAULT_MAX_RANK = env_int("LORAFLEET_DEFAULT_MAX_RANK", 64)
+LORAFLEET_REQUEST_TIMEOUT_S = env_float("LORAFLEET_REQUEST_TIMEOUT_S", 60.0)
+LORAFLEET_MAX_TOKENS_CAP = env_int("LORAFLEET_MAX_TOKENS_CAP", 1024)
+LORAFLEET_WORKER_CONCURRENCY = env_int("LORAFLEET_WORKER_CONCURRENCY", 64)
+
+REST_FRAMEWORK = {
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_AUTHENTICATION_CLASSES": [],
+    "DEFAULT_PERMISSION_CLASSES": [],
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "lorafleet API",
+    "DESCRIPTION": "OpenAI-compatible inference over many LoRA adapters of one base model.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LORAFLEET_LOG_LEVEL", "INFO")},
+}
