@@ -1,0 +1,109 @@
+"""The shape manifest of a base model: what an adapter may attach to, read from config.json.
+
+A manifest is a plain JSON-serialisable dict stored on BaseModel. Upload validation checks every
+LoRA tensor against it; the capacity planner computes memory from it; the worker never needs it.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+
+
+class ManifestError(ValueError):
+    """The checkpoint is not a base lorafleet can serve."""
+
+
+def shape_manifest_from_config(config: dict) -> dict:
+    arch = config.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ManifestError(
+            f"model_type {arch!r} is not supported; lorafleet serves {', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+    try:
+        hidden = int(config["hidden_size"])
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        intermediate = int(config["intermediate_size"])
+        vocab = int(config["vocab_size"])
+    except KeyError as exc:
+        raise ManifestError(f"config.json lacks {exc.args[0]!r}.") from None
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    q_out = heads * head_dim
+    kv_out = kv_heads * head_dim
+    shapes = {
+        "q_proj": (hidden, q_out, "self_attn"),
+        "k_proj": (hidden, kv_out, "self_attn"),
+        "v_proj": (hidden, kv_out, "self_attn"),
+        "o_proj": (q_out, hidden, "self_attn"),
+        "gate_proj": (hidden, intermediate, "mlp"),
+        "up_proj": (hidden, intermediate, "mlp"),
+        "down_proj": (intermediate, hidden, "mlp"),
+    }
+    modules = {
+        name: {
+            "in_features": d_in,
+            "out_features": d_out,
+            "layers": layers,
+            "path": f"model.layers.{{layer}}.{block}.{name}",
+        }
+        for name, (d_in, d_out, block) in shapes.items()
+    }
+    return {
+        "architecture": arch,
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": int(config.get("max_position_embeddings") or 2048),
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "dtype": str(config.get("dtype") or config.get("torch_dtype") or "float32"),
+        "num_parameters": 0,
+        "modules": modules,
+    }
+
+
+def safetensors_parameter_count(path: Path) -> int:
+    """Count parameters from a safetensors header without reading the tensors."""
+    with open(path, "rb") as fh:
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(header_len))
+    total = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        count = 1
+        for dim in info["shape"]:
+            count *= int(dim)
+        total += count
+    return total
+
+
+def shape_manifest_from_checkpoint(path: str | Path) -> dict:
+    folder = Path(path)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ManifestError(f"{folder} has no config.json; expected a Hugging Face checkpoint folder.")
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise ManifestError(f"{folder} has no *.safetensors weights (pickled .bin checkpoints are refused).")
+    manifest = shape_manifest_from_config(json.loads(config_path.read_text()))
+    manifest["num_parameters"] = sum(safetensors_parameter_count(w) for w in weights)
+    return manifest
+
+
+def lora_tensor_names(manifest: dict, module: str, layer: int) -> tuple[str, str]:
+    """PEFT's names for the A and B matrices of one module in one layer."""
+    path = manifest["modules"][module]["path"].format(layer=layer)
+    prefix = f"base_model.model.{path}"
+    return f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"
