@@ -14,6 +14,7 @@ from .env import database_from_url, env_bool, env_float, env_int, env_list, env_
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("LORAFLEET_VAR_DIR", str(BASE_DIR / "var"))).resolve()
+VAR_DIR.mkdir(parents=True, exist_ok=True)  # the embedded default keeps everything here
 
 DEBUG = env_bool("DJANGO_DEBUG", default=False)
 _DEV_SECRET = "insecure-embedded-default-only-never-in-production"

@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.utils import timezone
+
+from tenants.scoping import TenantScopedQuerySet
+
+
+class AuditStatus(models.TextChoices):
+    PENDING = "pending", "Pending"
+    OK = "ok", "Answered"
+    ERROR = "error", "Failed"
+
+
+class AppendOnlyError(RuntimeError):
+    """Audit records are append-only: final ones never change, none is ever deleted."""
+
+
+class AuditQuerySet(TenantScopedQuerySet):
+    tenant_path = "tenant"
+
+    def delete(self):
+        raise AppendOnlyError("Audit records are append-only; they cannot be deleted.")
+
+    def update(self, **kwargs):
+        if self.exclude(status=AuditStatus.PENDING).exists():
+            raise AppendOnlyError("A final audit record never changes.")
+        return super().update(**kwargs)
+
+
+class AuditRecord(models.Model):
+    """Exactly one per inference request: which weights produced this response?
+
+    Append-only (also enforced by Postgres triggers): created pending, finalised once, never changed
+    or deleted afterwards. Names and hashes are copied in, so the record stays true whatever happens
+    to the rows it points at.
+    """
+
+    request_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    route = models.CharField(max_length=100)
+
+    tenant = models.ForeignKey("tenants.Tenant", null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    key_prefix = models.CharField(max_length=40, blank=True)
+    adapter = models.ForeignKey("adapters.Adapter", null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    adapter_name = models.CharField(max_length=64, blank=True)
+    version = models.ForeignKey(
+        "adapters.AdapterVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    version_number = models.PositiveIntegerField(null=True, blank=True)
+    expected_sha256 = models.CharField(max_length=64, blank=True, help_text="sha256 of the version requested.")
+    weights_sha256 = models.CharField(
+        max_length=64, blank=True, help_text="sha256 of the weights the worker actually loaded and verified."
+    )
+    base_model = models.ForeignKey("adapters.BaseModel", null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    base_slug = models.CharField(max_length=50, blank=True)
+    base_sha256 = models.CharField(max_length=64, blank=True)
+    worker_id = models.CharField(max_length=200, blank=True)
+
+    status = models.CharField(max_length=10, choices=AuditStatus.choices, default=AuditStatus.PENDING)
+    http_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    error_code = models.CharField(max_length=50, blank=True)
+    error_message = models.CharField(max_length=500, blank=True)
+    finish_reason = models.CharField(max_length=20, blank=True)
+    attempts = models.PositiveSmallIntegerField(default=0)
+
+    prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
+    completion_tokens = models.PositiveIntegerField(null=True, blank=True)
+    queue_seconds = models.FloatField(null=True, blank=True)
+    first_token_seconds = models.FloatField(null=True, blank=True)
+    total_seconds = models.FloatField(null=True, blank=True)
+    # Only when the tenant asks for it, and never the text itself.
+    prompt_sha256 = models.CharField(max_length=64, blank=True)
+    output_sha256 = models.CharField(max_length=64, blank=True)
+
+    objects = AuditQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [
+            # the dashboard's usage charts and audit table: a tenant's rows by time
+            models.Index(fields=["tenant", "created_at"], name="audit_tenant_created"),
+            models.Index(fields=["adapter", "created_at"], name="audit_adapter_created"),
+            models.Index(fields=["weights_sha256"], name="audit_weights_sha256"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.status}"
+
+    @property
+    def is_final(self) -> bool:
+        return self.status != AuditStatus.PENDING
+
+    def save(self, *args, **kwargs):
+        if self.pk is not None and not self._state.adding:
+            stored = type(self).objects.filter(pk=self.pk).values_list("status", flat=True).first()
+            if stored is not None and stored != AuditStatus.PENDING:
+                raise AppendOnlyError(f"Audit record {self.request_id} is final and never changes.")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise AppendOnlyError("Audit records are append-only; they cannot be deleted.")
