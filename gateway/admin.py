@@ -1,0 +1,85 @@
+import csv
+
+from django.contrib import admin
+from django.http import StreamingHttpResponse
+from django.urls import path
+
+from .models import AuditRecord
+
+CSV_FIELDS = [
+    "request_id", "created_at", "finished_at", "route", "tenant_id", "key_prefix", "adapter_name", "version_number",
+    "expected_sha256", "weights_sha256", "base_slug", "base_sha256", "worker_id", "status", "http_status",
+    "error_code", "finish_reason", "attempts", "prompt_tokens", "completion_tokens", "queue_seconds",
+    "first_token_seconds", "total_seconds",
+]
+
+
+class _Echo:
+    def write(self, value):
+        return value
+
+
+@admin.register(AuditRecord)
+class AuditRecordAdmin(admin.ModelAdmin):
+    """Read-only: the audit log answers "which weights produced this response?" and never changes."""
+
+    list_display = [
+        "request_id", "created_at", "tenant", "adapter_name", "version_number", "short_weights_sha256",
+        "status", "http_status", "error_code", "completion_tokens", "total_seconds",
+    ]
+    list_filter = ["tenant", "adapter", "version", "status", "base_model", "error_code", ("created_at", admin.DateFieldListFilter)]
+    search_fields = ["=request_id", "weights_sha256", "expected_sha256", "key_prefix"]
+    date_hierarchy = "created_at"
+    list_select_related = ["tenant"]
+    show_full_result_count = False
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in self.model._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    def get_search_results(self, request, queryset, search_term):
+        # request_id is a UUID: an exact match on a malformed UUID would raise, so only try valid ones.
+        import uuid
+
+        term = search_term.strip()
+        try:
+            uuid.UUID(term)
+        except ValueError:
+            self.search_fields = ["weights_sha256", "expected_sha256", "key_prefix"]
+        else:
+            self.search_fields = ["=request_id", "weights_sha256", "expected_sha256", "key_prefix"]
+        return super().get_search_results(request, queryset, term)
+
+    @admin.display(description="weights sha256")
+    def short_weights_sha256(self, obj):
+        return obj.weights_sha256[:12]
+
+    def get_urls(self):
+        return [path("csv/", self.admin_site.admin_view(self.export_csv), name="gateway_auditrecord_csv")] + super().get_urls()
+
+    def export_csv(self, request):
+        """Stream the rows the change list shows for the same filters and search, as CSV."""
+        if not self.has_view_permission(request):
+            from django.core.exceptions import PermissionDenied
+
+            raise PermissionDenied
+        changelist = self.get_changelist_instance(request)
+        rows = changelist.get_queryset(request).values_list(*CSV_FIELDS).iterator(chunk_size=2000)
+        writer = csv.writer(_Echo())
+
+        def stream():
+            yield writer.writerow(CSV_FIELDS)
+            for row in rows:
+                yield writer.writerow(row)
+
+        response = StreamingHttpResponse(stream(), content_type="text/csv")
+        response["Content-Disposition"] = 'attachment; filename="audit.csv"'
+        return response
