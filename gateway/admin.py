@@ -28,7 +28,7 @@ class AuditRecordAdmin(admin.ModelAdmin):
         "status", "http_status", "error_code", "completion_tokens", "total_seconds",
     ]
     list_filter = ["tenant", "adapter", "version", "status", "base_model", "error_code", ("created_at", admin.DateFieldListFilter)]
-    search_fields = ["=request_id", "weights_sha256", "expected_sha256", "key_prefix"]
+    search_fields = ["request_id", "weights_sha256", "expected_sha256", "key_prefix"]
     date_hierarchy = "created_at"
     list_select_related = ["tenant"]
     show_full_result_count = False
@@ -45,18 +45,15 @@ class AuditRecordAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None):
         return False
 
-    def get_search_results(self, request, queryset, search_term):
+    def get_search_fields(self, request):
         # request_id is a UUID: an exact match on a malformed UUID would raise, so only try valid ones.
         import uuid
 
-        term = search_term.strip()
         try:
-            uuid.UUID(term)
+            uuid.UUID(request.GET.get("q", "").strip())
         except ValueError:
-            self.search_fields = ["weights_sha256", "expected_sha256", "key_prefix"]
-        else:
-            self.search_fields = ["=request_id", "weights_sha256", "expected_sha256", "key_prefix"]
-        return super().get_search_results(request, queryset, term)
+            return ["weights_sha256", "expected_sha256", "key_prefix"]
+        return ["=request_id", "weights_sha256", "expected_sha256", "key_prefix"]
 
     @admin.display(description="weights sha256")
     def short_weights_sha256(self, obj):
