@@ -1,0 +1,125 @@
+"""SGMV shrink in Triton: y[t, :r] = A[slot(t), :r, :] @ x[t] for every active segment.
+
+The shrink reads each adapter's A once per block of tokens and reduces over the long d_in axis, so with
+few tokens (decode) there is little parallelism across tokens: split-K spreads d_in across programs that
+add their partial sums into the fp32 output with atomics.
+
+Heterogeneous ranks: the rank loop stops at the slot's real rank and rank columns past it are masked, so
+memory traffic is proportional to the real rank, not to r_max.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .mapping import LoraMapping
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,  # [T, d_in], any float dtype
+    a_ptr,  # [S, r_max, d_in], same dtype as x
+    y_ptr,  # [T, r_max] fp32, zeroed when SPLIT_K > 1
+    seg_starts_ptr,  # [G] int32, first token of each active segment
+    seg_lens_ptr,  # [G] int32, tokens in each active segment
+    seg_slots_ptr,  # [G] int32, slot of each active segment
+    seg_ranks_ptr,  # [G] int32, real rank of each active segment's slot
+    d_in,  # reduction length
+    stride_xm, stride_xk,  # strides of x
+    stride_as, stride_ar, stride_ak,  # strides of a_stack
+    stride_ym, stride_yr,  # strides of y
+    BLOCK_M: tl.constexpr,  # tokens per program
+    BLOCK_R: tl.constexpr,  # rank columns per inner tile
+    BLOCK_K: tl.constexpr,  # d_in elements per inner tile
+    SPLIT_K: tl.constexpr,  # programs sharing one reduction along d_in
+    FP32_IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dot instead of tf32
+    UPCAST_DOT: tl.constexpr,  # interpreter only: its numpy tl.dot garbles bf16, so dot in fp32
+):
+    pid_m = tl.program_id(axis=0)
+    pid_k = tl.program_id(axis=1)
+    seg = tl.program_id(axis=2)
+    seg_len = tl.load(seg_lens_ptr + seg)
+    if pid_m * BLOCK_M >= seg_len:  # the grid is sized by the longest segment
+        return
+    seg_start = tl.load(seg_starts_ptr + seg)
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    rank = tl.load(seg_ranks_ptr + seg)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = (seg_start + offs_m).to(tl.int64)
+    a_slot = a_ptr + slot * stride_as
+
+    for r0 in range(0, rank, BLOCK_R):  # work stops at the real rank
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(pid_k * BLOCK_K, d_in, BLOCK_K * SPLIT_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < d_in
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                mask=m_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_K]
+            a = tl.load(
+                a_slot + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                mask=r_mask[None, :] & k_mask[:, None],
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_R]
+            if UPCAST_DOT:
+                acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+            elif FP32_IEEE:
+                acc += tl.dot(x, a, input_precision="ieee")
+            else:
+                acc += tl.dot(x, a)
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_r[None, :] * stride_yr
+        y_mask = m_mask[:, None] & r_mask[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptrs, acc, mask=y_mask)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=y_mask)
+
+
+def _split_k(num_programs: int, d_in: int, block_k: int) -> int:
+    """Enough d_in splits to give a GPU ~512 programs, never more splits than K tiles."""
+    split = 1
+    while num_programs * split < 512 and split * 2 <= triton.cdiv(d_in, block_k) and split < 64:
+        split *= 2
+    return split
+
+
+def triton_shrink(
+    x: torch.Tensor,  # [T, d_in]
+    a_stack: torch.Tensor,  # [S, r_max, d_in]
+    mapping: LoraMapping,
+    y: torch.Tensor,  # [T, r_max] fp32, zeroed by the caller
+) -> torch.Tensor:
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
+    assert a_stack.dtype == x.dtype, "x and a_stack must share a dtype"
+    assert y.dtype == torch.float32 and y.stride(1) == 1
+    assert x.stride(1) == 1 and a_stack.stride(2) == 1, "the reduction axis must be contiguous"
+    assert x.device == a_stack.device == y.device == mapping.seg_starts.device
+    if mapping.is_empty:
+        return y
+    d_in = x.shape[1]
+    BLOCK_M = 16  # tl.dot's smallest tile; decode segments of 1-2 tokens waste the rest, reads don't
+    BLOCK_R = max(16, min(64, triton.next_power_of_2(mapping.max_rank)))
+    BLOCK_K = 64 if d_in >= 64 else 32
+    m_blocks = triton.cdiv(mapping.max_seg_len, BLOCK_M)
+    split_k = _split_k(m_blocks * mapping.num_segments, d_in, BLOCK_K)
+    # grid: (token blocks of the longest segment, d_in splits, active segments)
+    grid = (m_blocks, split_k, mapping.num_segments)
+    _shrink_kernel[grid](
+        x, a_stack, y,
+        mapping.seg_starts, mapping.seg_lens, mapping.seg_slots, mapping.seg_ranks,
+        d_in,
+        x.stride(0), x.stride(1),
+        a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
+        y.stride(0), y.stride(1),
+        BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SPLIT_K=split_k,
+        FP32_IEEE=x.dtype == torch.float32,
+        UPCAST_DOT=x.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET=1
+    )
+    return y
