@@ -1,0 +1,118 @@
+"""What a worker is asked to do and what it answers: plain dataclasses that travel over Celery as JSON.
+
+The job carries everything the worker needs (DESIGN.md: the worker never touches the database on the
+hot path): which weights, by content hash and storage key, and the sampling parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+# Error codes a GenerationResult may carry; the gateway maps them to HTTP answers.
+ADAPTER_INTEGRITY_ERROR = "adapter_integrity_error"  # blob's sha256 is not the one the job expects
+ADAPTER_LOAD_FAILED = "adapter_load_failed"  # storage read failed, or the blob is not a valid adapter
+PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens does not fit the model's context
+INVALID_REQUEST = "invalid_request"  # parameters the engine cannot honour (empty prompt, bad values)
+CANCELLED = "cancelled"
+ENGINE_STOPPED = "engine_stopped"
+INTERNAL_ERROR = "internal_error"
+
+
+def _from_dict(cls, d: dict[str, Any]):
+    """Build a dataclass from a dict, ignoring unknown keys so older workers accept newer messages."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class AdapterRef:
+    """An immutable adapter version as the worker sees it: identified by the sha256 of its weights."""
+
+    version_id: int
+    sha256: str
+    storage_key: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: list[str]
+    name: str = ""
+
+    @property
+    def scale(self) -> float:
+        """PEFT's scaling: alpha / r, or alpha / sqrt(r) for rsLoRA."""
+        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AdapterRef":
+        ref = _from_dict(cls, d)
+        ref.target_modules = list(ref.target_modules)
+        return ref
+
+
+@dataclass
+class GenerationJob:
+    """One completion request. `adapter=None` means the base model, named explicitly by the caller."""
+
+    request_id: str
+    adapter: AdapterRef | None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["adapter"] = self.adapter.to_dict() if self.adapter is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GenerationJob":
+        job = _from_dict(cls, d)
+        if isinstance(job.adapter, dict):
+            job.adapter = AdapterRef.from_dict(job.adapter)
+        job.stop = list(job.stop or [])
+        job.stop_token_ids = list(job.stop_token_ids or [])
+        if job.prompt_token_ids is not None:
+            job.prompt_token_ids = list(job.prompt_token_ids)
+        return job
+
+
+@dataclass
+class GenerationResult:
+    """The answer to one job: tokens and text, or an error code, plus what auditing needs."""
+
+    request_id: str
+    status: str  # "ok" | "error"
+    error_code: str | None = None
+    error_message: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | None (error)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    adapter_sha256: str | None = None  # the hash of the weights the cache verified and served
+    queued_s: float = 0.0  # submit -> admitted into the running batch
+    first_token_s: float | None = None  # submit -> first generated token
+    total_s: float = 0.0  # submit -> done
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GenerationResult":
+        res = _from_dict(cls, d)
+        res.token_ids = list(res.token_ids)
+        return res

@@ -1,0 +1,46 @@
+"""Engine counters without a Prometheus dependency: the worker's exporter reads `snapshot()`.
+
+Sums are kept next to counts (batch-size sum and step count, ...) so an exporter can turn them into
+rates and means over any window; the engine thread is the only writer.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineMetrics:
+    steps: int = 0
+    batch_size_sum: int = 0  # sequences per forward pass, summed over steps
+    batch_size_last: int = 0
+    batch_size_max: int = 0
+    step_tokens_sum: int = 0  # tokens (prefill + decode) per forward pass, summed
+    distinct_adapters_sum: int = 0  # distinct LoRA slots (base counted as one) per forward pass, summed
+    distinct_adapters_last: int = 0
+    distinct_adapters_max: int = 0
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+    requests_submitted: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+    def record_step(self, batch_size: int, tokens: int, distinct_adapters: int, forward_s: float, step_s: float) -> None:
+        self.steps += 1
+        self.batch_size_sum += batch_size
+        self.batch_size_last = batch_size
+        self.batch_size_max = max(self.batch_size_max, batch_size)
+        self.step_tokens_sum += tokens
+        self.distinct_adapters_sum += distinct_adapters
+        self.distinct_adapters_last = distinct_adapters
+        self.distinct_adapters_max = max(self.distinct_adapters_max, distinct_adapters)
+        self.forward_seconds += forward_s
+        self.step_seconds += step_s
+
+    def snapshot(self) -> dict:
+        d = asdict(self)
+        d["batch_size_mean"] = self.batch_size_sum / self.steps if self.steps else 0.0
+        d["distinct_adapters_mean"] = self.distinct_adapters_sum / self.steps if self.steps else 0.0
+        return d
