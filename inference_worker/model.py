@@ -1,0 +1,470 @@
+"""The model runner: a Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, with LoRA.
+
+One `forward(steps)` runs one engine iteration: any mix of prefill chunks and decode tokens, of any
+adapters, as one batch. Every projection is one GEMM over all tokens of the step (q/k/v and gate/up are
+fused), plus the batched LoRA term from `kernels.add_lora` with one mapping per step. Attention is
+batched too: all decode tokens of the step attend in one matmul over a padded gather of their KV rows
+(`[kv_heads, B, L, head_dim]`); prefill chunks attend one sequence at a time through SDPA (a chunk is
+already a big matrix, and prefill is rarer than decode).
+
+nanoGPT shape: a config dataclass, one block class, one model class; weights read straight from the
+checkpoint's *.safetensors with Hugging Face's tensor names. Django-free.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import PagedKVCache, blocks_needed
+from .lora import TARGETS, LoraSlots, ProjectionShape, StepLora
+
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+
+
+@dataclass
+class ModelConfig:
+    """The Hugging Face config values the runner needs, normalised across architectures and versions."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None, or {"rope_type": "linear"|"llama3", ...}
+    tie_word_embeddings: bool
+    sliding_windows: list[int | None]  # per layer: attend to the last N positions only, or None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None  # the first of eos_token_ids
+    eos_token_ids: list[int] = field(default_factory=list)  # config.json + generation_config.json
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        cfg = json.loads((path / "config.json").read_text())
+        arch = cfg.get("model_type", "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported model_type {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        layers = cfg["num_hidden_layers"]
+        # transformers v5 writes rope_parameters; v4 wrote rope_theta + rope_scaling. Read both.
+        rope_params = cfg.get("rope_parameters") or {}
+        theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or rope_params
+        rope_type = (scaling.get("rope_type") or scaling.get("type") or "default") if scaling else "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"RoPE scaling type {rope_type!r} is not supported; supported: "
+                             f"{sorted(SUPPORTED_ROPE_TYPES)}")
+        rope_scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+
+        window = cfg.get("sliding_window")
+        if arch == "mistral":
+            windows = [window] * layers
+        elif arch == "qwen2" and cfg.get("use_sliding_window") and window:
+            types = cfg.get("layer_types") or [
+                "sliding_attention" if i >= cfg.get("max_window_layers", layers) else "full_attention"
+                for i in range(layers)]
+            windows = [window if t == "sliding_attention" else None for t in types]
+        else:
+            windows = [None] * layers
+
+        eos = _as_list(cfg.get("eos_token_id"))
+        gen_path = path / "generation_config.json"
+        if gen_path.exists():
+            eos += [e for e in _as_list(json.loads(gen_path.read_text()).get("eos_token_id")) if e not in eos]
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_windows=windows,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos[0] if eos else None,
+            eos_token_ids=eos,
+            pad_token_id=cfg.get("pad_token_id"),
+        )
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] with the config's theta and scaling, as transformers computes them."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are divided by factor, short ones kept, the band between interpolated.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back, like transformers' LlamaRMSNorm."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd]; cos/sin: [T, 1, hd]. The rotate-half convention of HF Llama checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class SeqStep:
+    """One sequence's share of a forward step (see interfaces: the engine builds these)."""
+
+    block_table: list[int]  # KV blocks of this sequence (enough for start_pos + len(token_ids))
+    start_pos: int  # tokens of this sequence already in the KV cache
+    token_ids: list[int]  # new tokens this step: a prefill chunk, or one decode token
+    slot: int = -1  # LoRA slot, -1 = base only
+
+
+@dataclass
+class _Prefill:
+    """A multi-token step: attends alone, through SDPA with a causal mask offset by start_pos."""
+
+    first: int  # index of its first token in the step's flat token list
+    n: int  # tokens in this chunk
+    rows: torch.Tensor  # int64 [start_pos + n], KV rows of positions 0..start_pos+n-1
+    masks: dict[int | None, torch.Tensor]  # window -> bool [n, start_pos + n], True = may attend
+
+
+@dataclass
+class _Decode:
+    """All single-token steps of a forward, attending together in one padded batch."""
+
+    index: torch.Tensor | None  # int64 [B] their token indices, None when the whole step is decode
+    rows: torch.Tensor  # int64 [B, L] KV rows (padding points anywhere, masked)
+    masks: dict[int | None, torch.Tensor]  # window -> additive float [B, 1, L]: 0 or -inf
+
+
+@dataclass
+class StepContext:
+    """Everything computed once per forward and reused by every layer."""
+
+    cos: torch.Tensor  # [T, 1, hd]
+    sin: torch.Tensor  # [T, 1, hd]
+    write_rows: torch.Tensor  # int64 [T] KV row of each new token
+    decode: _Decode | None
+    prefills: list[_Prefill]
+    lora: StepLora | None
+
+
+class Block:
+    """One decoder layer: pre-norm attention and SwiGLU MLP, each with a residual."""
+
+    def __init__(self, runner: "ModelRunner", layer: int, w: dict[str, torch.Tensor]) -> None:
+        cfg = runner.config
+        self.runner, self.layer, self.cfg = runner, layer, cfg
+        self.q_dim = cfg.num_heads * cfg.head_dim
+        self.kv_dim = cfg.num_kv_heads * cfg.head_dim
+        self.input_norm = w["input_layernorm.weight"]  # [hidden]
+        self.post_norm = w["post_attention_layernorm.weight"]  # [hidden]
+        self.w_qkv = torch.cat([w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"],
+                                w["self_attn.v_proj.weight"]]).contiguous()  # [q_dim + 2 kv_dim, hidden]
+        biases = [w.get(f"self_attn.{p}.bias") for p in ("q_proj", "k_proj", "v_proj")]
+        self.b_qkv = None
+        if any(b is not None for b in biases):  # Qwen2 (or Llama with attention_bias)
+            dims = (self.q_dim, self.kv_dim, self.kv_dim)
+            self.b_qkv = torch.cat([b if b is not None else torch.zeros(d, dtype=self.w_qkv.dtype,
+                                                                        device=self.w_qkv.device)
+                                    for b, d in zip(biases, dims)])
+        self.w_o = w["self_attn.o_proj.weight"]  # [hidden, q_dim]
+        self.b_o = w.get("self_attn.o_proj.bias")
+        self.w_gate_up = torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]).contiguous()
+        self.w_down = w["mlp.down_proj.weight"]  # [hidden, intermediate]
+        if any(f"mlp.{p}.bias" in w for p in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError("MLP biases (mlp_bias=True) are not supported")
+        self.window = cfg.sliding_windows[layer]
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        cfg, lora, layer = self.cfg, ctx.lora, self.layer
+        T = x.shape[0]
+        # --- attention ---
+        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)  # [T, hidden]
+        qkv = F.linear(h, self.w_qkv, self.b_qkv)  # [T, q_dim + 2 kv_dim]
+        q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
+        if lora is not None:
+            lora.add(qkv[:, :q_end], h, layer, "q_proj")
+            lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
+            lora.add(qkv[:, k_end:], h, layer, "v_proj")
+        q = apply_rope(qkv[:, :q_end].view(T, cfg.num_heads, cfg.head_dim), ctx.cos, ctx.sin)  # [T, H, hd]
+        k = apply_rope(qkv[:, q_end:k_end].view(T, cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, hd]
+        kv = self.runner.kv
+        kv.write(layer, ctx.write_rows, k, v)
+        y = self.attend(q, ctx)  # [T, q_dim]
+        o = F.linear(y, self.w_o, self.b_o)  # [T, hidden]
+        if lora is not None:
+            lora.add(o, y, layer, "o_proj")
+        x = x + o
+        # --- MLP ---
+        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        gu = F.linear(h, self.w_gate_up)  # [T, 2 * intermediate]
+        inter = cfg.intermediate_size
+        if lora is not None:
+            lora.add(gu[:, :inter], h, layer, "gate_proj")
+            lora.add(gu[:, inter:], h, layer, "up_proj")
+        a = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, intermediate]
+        d = F.linear(a, self.w_down)  # [T, hidden]
+        if lora is not None:
+            lora.add(d, a, layer, "down_proj")
+        return x + d
+
+    def attend(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """q: [T, H, hd] (already rotated; the step's keys are already in the cache) -> [T, H * hd]."""
+        cfg = self.cfg
+        T, H, hd = q.shape
+        KV, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        scale = 1.0 / math.sqrt(hd)
+        kv = self.runner.kv
+        if ctx.decode is not None and not ctx.prefills and ctx.decode.index is None:
+            return self._attend_decode(q, ctx.decode, scale)
+        out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
+        if ctx.decode is not None:
+            idx = ctx.decode.index
+            out.index_copy_(0, idx, self._attend_decode(q.index_select(0, idx), ctx.decode, scale))
+        for p in ctx.prefills:
+            k, v = kv.gather(self.layer, p.rows)  # [KV, L, hd]
+            qp = q[p.first:p.first + p.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+            yp = F.scaled_dot_product_attention(qp, k.unsqueeze(0), v.unsqueeze(0),
+                                                attn_mask=p.masks[self.window], scale=scale,
+                                                enable_gqa=g > 1)  # [1, H, n, hd]
+            out[p.first:p.first + p.n] = yp[0].transpose(0, 1).reshape(p.n, H * hd)
+        return out
+
+    def _attend_decode(self, q: torch.Tensor, d: _Decode, scale: float) -> torch.Tensor:
+        """q: [B, H, hd], one query per sequence -> [B, H * hd]; GQA as a [g, hd] x [hd, L] matmul."""
+        cfg = self.cfg
+        B, H, hd = q.shape
+        KV, g = cfg.num_kv_heads, H // cfg.num_kv_heads
+        k, v = self.runner.kv.gather(self.layer, d.rows)  # [KV, B, L, hd]
+        q4 = q.view(B, KV, g, hd).transpose(0, 1)  # [KV, B, g, hd]
+        scores = torch.matmul(q4, k.transpose(-1, -2))  # [KV, B, g, L]
+        scores = scores.mul_(scale).add_(d.masks[self.window])
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        y = torch.matmul(probs, v)  # [KV, B, g, hd]
+        return y.transpose(0, 1).reshape(B, H * hd)
+
+
+class ModelRunner:
+    """Holds one base model, its paged KV cache and LoRA slot pools; runs batched forward steps."""
+
+    def __init__(self, checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
+                 max_lora_slots: int = 8, max_lora_rank: int = 64, enable_lora: bool = True) -> None:
+        from transformers import AutoTokenizer
+
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.config = cfg = ModelConfig.from_dir(self.checkpoint_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.checkpoint_dir))
+        self.block_size = block_size
+        self.enable_lora = enable_lora
+        self.max_lora_slots, self.max_lora_rank = max_lora_slots, max_lora_rank
+
+        w = self._read_weights()
+        self.embed = w.pop("model.embed_tokens.weight")  # [vocab, hidden]
+        self.final_norm = w.pop("model.norm.weight")
+        self.lm_head = w.pop("lm_head.weight", None)
+        if self.lm_head is None or cfg.tie_word_embeddings:
+            self.lm_head = self.embed  # [vocab, hidden]
+        self.blocks = []
+        for i in range(cfg.num_layers):
+            prefix = f"model.layers.{i}."
+            self.blocks.append(Block(self, i, {k[len(prefix):]: t for k, t in w.items() if k.startswith(prefix)}))
+        del w
+
+        inv_freq = rope_inv_freq(cfg)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [P, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
+        self.rope_cos = emb.cos().to(self.dtype).to(self.device)
+        self.rope_sin = emb.sin().to(self.dtype).to(self.device)
+
+        if num_kv_blocks is None:
+            # Enough for 64 sequences of the full context, capped at 1 GiB of cache.
+            per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * self.dtype.itemsize
+            num_kv_blocks = min(64 * blocks_needed(cfg.max_position_embeddings, block_size),
+                                max(1, (1 << 30) // per_block))
+        self.kv = PagedKVCache(num_layers=cfg.num_layers, num_blocks=num_kv_blocks, block_size=block_size,
+                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=self.dtype,
+                               device=self.device)
+        self.lora: LoraSlots | None = None
+        if enable_lora:
+            q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            h, i = cfg.hidden_size, cfg.intermediate_size
+            shapes = {"q_proj": ProjectionShape(h, q_dim), "k_proj": ProjectionShape(h, kv_dim),
+                      "v_proj": ProjectionShape(h, kv_dim), "o_proj": ProjectionShape(q_dim, h),
+                      "gate_proj": ProjectionShape(h, i), "up_proj": ProjectionShape(h, i),
+                      "down_proj": ProjectionShape(i, h)}
+            assert set(shapes) == set(TARGETS)
+            self.lora = LoraSlots(shapes, num_layers=cfg.num_layers, num_slots=max_lora_slots,
+                                  max_rank=max_lora_rank, dtype=self.dtype, device=self.device)
+
+    def _read_weights(self) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        files = sorted(self.checkpoint_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {self.checkpoint_dir}")
+        w: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    w[name] = fh.get_tensor(name).to(device=self.device, dtype=self.dtype)
+        return w
+
+    # --- adapters ---
+
+    def load_adapter_into_slot(self, slot: int, weights: dict[str, torch.Tensor], *, rank: int,
+                               scale: float) -> None:
+        """Copy a PEFT adapter (PEFT tensor names, any dtype) into a slot; raises ValueError if it does not fit."""
+        if self.lora is None:
+            raise RuntimeError("this runner was built with enable_lora=False")
+        self.lora.load(slot, weights, rank=rank, scale=scale)
+
+    def clear_slot(self, slot: int) -> None:
+        if self.lora is None:
+            raise RuntimeError("this runner was built with enable_lora=False")
+        self.lora.clear(slot)
+
+    # --- forward ---
+
+    def _context(self, steps: list[SeqStep]) -> tuple[torch.Tensor, StepContext, list[int]]:
+        """Flatten the steps into one token batch and precompute what every layer shares."""
+        cfg, bs, dev = self.config, self.block_size, self.device
+        tokens: list[int] = []
+        positions: list[int] = []
+        write_rows: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
+        decode_idx: list[int] = []
+        decode_steps: list[SeqStep] = []
+        prefill_specs: list[tuple[int, SeqStep]] = []
+        for s in steps:
+            n = len(s.token_ids)
+            if n == 0:
+                raise ValueError("a step must carry at least one token")
+            end = s.start_pos + n
+            if end > cfg.max_position_embeddings:
+                raise ValueError(f"position {end} exceeds max_position_embeddings "
+                                 f"{cfg.max_position_embeddings}")
+            if blocks_needed(end, bs) > len(s.block_table):
+                raise ValueError(f"block table of {len(s.block_table)} blocks cannot hold {end} positions")
+            first = len(tokens)
+            if n == 1:
+                decode_idx.append(first)
+                decode_steps.append(s)
+            else:
+                prefill_specs.append((first, s))
+            tokens.extend(s.token_ids)
+            positions.extend(range(s.start_pos, end))
+            table = s.block_table
+            write_rows.extend(table[p // bs] * bs + p % bs for p in range(s.start_pos, end))
+            slots.extend([s.slot] * n)
+            last.append(len(tokens) - 1)
+
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        cos = self.rope_cos.index_select(0, pos_t).unsqueeze(1)  # [T, 1, hd]
+        sin = self.rope_sin.index_select(0, pos_t).unsqueeze(1)
+        windows = set(cfg.sliding_windows)
+
+        decode = None
+        if decode_steps:
+            lens = [s.start_pos + 1 for s in decode_steps]
+            L = max(lens)
+            nb = blocks_needed(L, bs)
+            table = torch.tensor([s.block_table[:nb] + [0] * (nb - min(nb, len(s.block_table)))
+                                  for s in decode_steps], dtype=torch.int64, device=dev)  # [B, nb]
+            p = torch.arange(L, device=dev)
+            rows = table[:, p // bs] * bs + p % bs  # [B, L]
+            q_pos = torch.tensor(lens, device=dev).unsqueeze(1) - 1  # [B, 1]
+            masks = {}
+            for wdw in windows:
+                ok = p.unsqueeze(0) <= q_pos
+                if wdw is not None:
+                    ok &= p.unsqueeze(0) > q_pos - wdw
+                masks[wdw] = torch.zeros(ok.shape, dtype=self.dtype, device=dev).masked_fill_(
+                    ~ok, float("-inf")).unsqueeze(1)  # [B, 1, L]
+            whole = not prefill_specs
+            index = None if whole else torch.tensor(decode_idx, dtype=torch.int64, device=dev)
+            decode = _Decode(index=index, rows=rows, masks=masks)
+
+        prefills = []
+        for first, s in prefill_specs:
+            n, L = len(s.token_ids), s.start_pos + len(s.token_ids)
+            rows = torch.tensor([s.block_table[p // bs] * bs + p % bs for p in range(L)],
+                                dtype=torch.int64, device=dev)
+            k_pos = torch.arange(L, device=dev).unsqueeze(0)  # [1, L]
+            q_pos = torch.arange(s.start_pos, L, device=dev).unsqueeze(1)  # [n, 1]
+            masks = {}
+            for wdw in windows:
+                ok = k_pos <= q_pos
+                if wdw is not None:
+                    ok = ok & (k_pos > q_pos - wdw)
+                masks[wdw] = ok  # [n, L]
+            prefills.append(_Prefill(first=first, n=n, rows=rows, masks=masks))
+
+        lora = self.lora.mapping(slots) if self.lora is not None else None
+        if self.lora is None and any(s >= 0 for s in slots):
+            raise ValueError("LoRA slot requested but the runner was built with enable_lora=False")
+        ctx = StepContext(cos=cos, sin=sin,
+                          write_rows=torch.tensor(write_rows, dtype=torch.int64, device=dev),
+                          decode=decode, prefills=prefills, lora=lora)
+        return torch.tensor(tokens, dtype=torch.int64, device=dev), ctx, last
+
+    @torch.inference_mode()
+    def forward(self, steps: list[SeqStep]) -> torch.Tensor:
+        """Run one step; returns fp32 logits [len(steps), vocab] at each step's last token."""
+        if not steps:
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        tokens, ctx, last = self._context(steps)
+        x = self.embed.index_select(0, tokens)  # [T, hidden]
+        for block in self.blocks:
+            x = block.forward(x, ctx)
+        x = x.index_select(0, torch.tensor(last, dtype=torch.int64, device=self.device))  # [steps, hidden]
+        x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()  # [steps, vocab]
