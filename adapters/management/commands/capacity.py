@@ -1,0 +1,140 @@
+"""`manage.py capacity`: how many adapters and sequences a card holds, before anyone buys one.
+
+    python manage.py capacity --preset llama-2-7b --rank 16 --targets all-linear --adapters 1000 --gpu-gb 80
+    python manage.py capacity --base my-base --rank 8 --targets q_proj,v_proj --adapters 50 --gpu-gb 24
+
+GB means 10**9 bytes (see adapters.capacity). The arithmetic lives in adapters.capacity; this only parses
+and prints.
+"""
+from __future__ import annotations
+
+import json
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from adapters.capacity import (
+    GB,
+    PRESET_NAMES,
+    TABLE_RANKS,
+    TABLE_TARGETS,
+    CapacityError,
+    CapacityPlan,
+    capacity_table,
+    plan_capacity,
+    preset_manifest,
+)
+
+
+def _n(value: int) -> str:
+    return f"{value:,}"
+
+
+class Command(BaseCommand):
+    help = (
+        "Plan GPU memory for a fleet of LoRA adapters on one base: per-adapter and fleet bytes, KV cache "
+        "left, maximum concurrent sequences, and a rank x targets table. GB = 10**9 bytes."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        source = parser.add_mutually_exclusive_group(required=True)
+        source.add_argument("--preset", choices=PRESET_NAMES, help="Published shapes of a well-known base.")
+        source.add_argument("--base", metavar="SLUG", help="A registered base model (its shape manifest).")
+        parser.add_argument("--rank", type=int, required=True, help="LoRA rank r.")
+        parser.add_argument(
+            "--targets",
+            default="all-linear",
+            help="attention-only (q,k,v,o), all-linear (all seven) or a comma list such as q_proj,v_proj.",
+        )
+        parser.add_argument("--adapters", type=int, required=True, help="Adapters resident on the card.")
+        parser.add_argument("--gpu-gb", type=float, required=True, help="GPU memory in GB (10**9 bytes).")
+        parser.add_argument("--context", type=int, default=4096, help="Tokens per sequence (default 4096).")
+        parser.add_argument("--dtype", default="bf16", help="Weights dtype, base and adapters (default bf16).")
+        parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype).")
+        parser.add_argument("--block-size", type=int, default=16, help="Paged KV block size (default 16).")
+        parser.add_argument("--json", action="store_true", help="Print the plan and table as JSON.")
+
+    def handle(self, *args, **opts) -> None:
+        if opts["preset"]:
+            name = opts["preset"]
+            manifest = preset_manifest(name)
+        else:
+            from adapters.models import BaseModel  # only --base needs the database
+
+            name = opts["base"]
+            base = BaseModel.objects.filter(slug=name).first()
+            if base is None:
+                raise CommandError(f"No registered base model {name!r} (see manage.py register_base).")
+            manifest = base.shape_manifest
+        common = dict(
+            dtype=opts["dtype"],
+            num_adapters=opts["adapters"],
+            gpu_gb=opts["gpu_gb"],
+            context_len=opts["context"],
+            kv_dtype=opts["kv_dtype"],
+            block_size=opts["block_size"],
+            base_name=name,
+        )
+        try:
+            plan = plan_capacity(manifest, rank=opts["rank"], targets=opts["targets"], **common)
+            table = capacity_table(manifest, **common)
+        except CapacityError as exc:
+            raise CommandError(str(exc)) from None
+
+        if opts["json"]:
+            self.stdout.write(json.dumps({"plan": plan.to_dict(), "table": [p.to_dict() for p in table]}, indent=2))
+            return
+        self._print_plan(plan, manifest)
+        self._print_table(table, plan)
+
+    def _print_plan(self, plan: CapacityPlan, manifest: dict) -> None:
+        w = self.stdout.write
+        w(
+            f"Base {plan.base_name} ({manifest['architecture']}, {manifest['num_layers']} layers, hidden "
+            f"{manifest['hidden_size']}, {manifest['num_key_value_heads']} KV heads x {manifest['head_dim']})"
+        )
+        w(
+            f"Plan: rank {plan.rank}, targets {plan.targets_label}, {plan.dtype} weights, {plan.kv_dtype} KV, "
+            f"{_n(plan.num_adapters)} adapters, {plan.gpu_bytes / GB:g} GB card (GB = 10^9 bytes), "
+            f"context {plan.context_len}"
+        )
+        w("")
+        w("Per adapter: r*(in+out)*layers per target")
+        for module, params in plan.lora_params_by_module.items():
+            mod = manifest["modules"][module]
+            w(
+                f"  {module:<10} {plan.rank}*({mod['in_features']}+{mod['out_features']})*{mod['layers']}"
+                f" = {_n(params)}"
+            )
+        w(f"  LoRA parameters per adapter   {_n(plan.lora_params_per_adapter)}")
+        w(f"  bytes per adapter             {_n(plan.adapter_bytes)}  ({plan.adapter_bytes / 1e6:.2f} MB)")
+        w("")
+        w(f"Fleet bytes ({_n(plan.num_adapters)} adapters)  {_n(plan.fleet_bytes)}  ({plan.fleet_bytes / GB:.2f} GB)")
+        w(f"Base parameters               {_n(plan.base_params)}")
+        w(f"Base bytes                    {_n(plan.base_bytes)}  ({plan.base_bytes / GB:.2f} GB)")
+        w(f"KV bytes per token            {_n(plan.kv_bytes_per_token)}")
+        blocks = plan.kv_bytes_per_sequence // (plan.kv_bytes_per_token * plan.block_size)
+        w(
+            f"KV bytes per sequence         {_n(plan.kv_bytes_per_sequence)}  ({plan.context_len} tokens in "
+            f"{blocks} blocks of {plan.block_size})"
+        )
+        w(f"KV memory left on the card    {_n(plan.kv_bytes_left)}  ({plan.kv_bytes_left / GB:.2f} GB)")
+        w(f"Max concurrent sequences      {_n(plan.max_concurrent_sequences)}")
+        w("")
+        style = self.style.SUCCESS if plan.fits and plan.max_concurrent_sequences else self.style.ERROR
+        w(style(plan.verdict))
+
+    def _print_table(self, table: list[CapacityPlan], plan: CapacityPlan) -> None:
+        w = self.stdout.write
+        w("")
+        w(
+            f"Rank x targets ({_n(plan.num_adapters)} adapters, {plan.gpu_bytes / GB:g} GB card, "
+            f"context {plan.context_len}, ranks {'/'.join(map(str, TABLE_RANKS))} x {' / '.join(TABLE_TARGETS)})"
+        )
+        w(f"{'rank':>4}  {'targets':<15} {'adapter MB':>11} {'fleet GB':>10} {'KV left GB':>11} {'max seqs':>9}  fits")
+        for row in table:
+            fits = "yes" if row.fits and row.max_concurrent_sequences else "NO"
+            w(
+                f"{row.rank:>4}  {row.targets_label:<15} {row.adapter_bytes / 1e6:>11.2f} "
+                f"{row.fleet_bytes / GB:>10.2f} {row.kv_bytes_left / GB:>11.2f} "
+                f"{row.max_concurrent_sequences:>9,}  {fits}"
+            )
