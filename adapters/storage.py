@@ -1,0 +1,80 @@
+"""Content-addressed adapter blobs: the key is the sha256 of the bytes, and a key is never overwritten.
+
+Because the key names the content, two versions with identical weights share one blob, and the worker
+can verify what it loaded against the key alone. Storage is django-storages' "adapters" backend
+(filesystem in the embedded default, S3 in production); nothing here touches the database.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import BinaryIO
+
+from django.core.files import File
+from django.core.files.storage import Storage, storages
+
+READ_CHUNK_BYTES = 1024 * 1024
+
+
+class BlobStorageError(RuntimeError):
+    """Storage refused or corrupted a blob; the upload must not be recorded."""
+
+
+def adapter_storage() -> Storage:
+    return storages["adapters"]
+
+
+def storage_key_for(sha256: str) -> str:
+    """"adapters/ab/abcdef….safetensors": the first two hex digits fan the keys out over folders."""
+    if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+        raise ValueError(f"not a lowercase sha256 hex digest: {sha256!r}")
+    return f"adapters/{sha256[:2]}/{sha256}.safetensors"
+
+
+def read_blob(key: str) -> bytes:
+    with adapter_storage().open(key, "rb") as fh:
+        return fh.read()
+
+
+def blob_sha256(key: str) -> str:
+    """sha256 of a stored blob, read in chunks."""
+    digest = hashlib.sha256()
+    with adapter_storage().open(key, "rb") as fh:
+        for chunk in iter(lambda: fh.read(READ_CHUNK_BYTES), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def blob_exists(key: str) -> bool:
+    return adapter_storage().exists(key)
+
+
+def delete_blob(key: str) -> None:
+    adapter_storage().delete(key)
+
+
+def put_blob(sha256: str, content: BinaryIO) -> tuple[str, bool]:
+    """Store `content` (whose sha256 the caller computed) under its key; returns (key, created).
+
+    An existing blob with the same content is reused (created=False) and never rewritten. Storages
+    never overwrite an existing name: they save under a fresh one instead, which would break content
+    addressing, so a renamed save (a concurrent upload of the same bytes won the race) is removed and
+    the winner's blob is reused after checking its content.
+    """
+    key = storage_key_for(sha256)
+    storage = adapter_storage()
+    if storage.exists(key):
+        _check_existing(key, sha256)
+        return key, False
+    content.seek(0)
+    saved = storage.save(key, File(content, name=key))
+    if saved != key:
+        storage.delete(saved)
+        _check_existing(key, sha256)
+        return key, False
+    return key, True
+
+
+def _check_existing(key: str, sha256: str) -> None:
+    actual = blob_sha256(key)
+    if actual != sha256:
+        raise BlobStorageError(f"stored blob {key} has sha256 {actual}, not {sha256}; refusing to reuse it.")

@@ -1,0 +1,218 @@
+"""The upload service: stream, cap, hash, validate, store content-addressed, record — or leave no trace.
+
+Order matters:
+1. Refuse a deleted adapter before reading anything.
+2. Stream the weights into an anonymous temporary file in fixed chunks, hashing as we go and stopping
+   the moment the size cap is passed (web memory stays bounded whatever the body size). A pickle or a
+   torch zip archive is refused by name and by its first bytes; it is never loaded.
+3. Validate (adapters.validation): config, safetensors header, tensors against the base, NaN/Inf.
+4. Store the blob under its sha256 — outside any database transaction, so no row lock is held during
+   slow S3 I/O.
+5. Write the row in a short transaction under a row lock on the Adapter (numbers 1, 2, 3… with no gaps
+   or duplicates even for concurrent uploads), and activate it when asked or when nothing is live yet.
+If step 5 fails, the blob written in step 4 is deleted unless another version references it; if step
+4 fails half-way, no row is ever written.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from typing import BinaryIO, Iterator
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Max
+
+from .models import Adapter, AdapterVersion
+from .services import AdapterStateError, activate_version
+from .storage import BlobStorageError, delete_blob, put_blob
+from .validation import (
+    CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, AdapterSpec, AdapterValidationError, parse_config,
+    validate_adapter,
+)
+
+log = logging.getLogger(__name__)
+
+STREAM_CHUNK_BYTES = 1024 * 1024
+# Extensions of formats that are (or wrap) Python pickles: loading one can run arbitrary code.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+class AdapterDeleted(AdapterValidationError, AdapterStateError):
+    """Uploads to a deleted adapter are refused (the API answers 410)."""
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} bytes"  # unreachable
+
+
+def _iter_chunks(upload, chunk_size: int) -> Iterator[bytes]:
+    """Chunks of a Django File/UploadedFile or any binary file-like object."""
+    if hasattr(upload, "chunks"):
+        yield from upload.chunks(chunk_size)
+        return
+    while True:
+        chunk = upload.read(chunk_size)
+        if not chunk:
+            return
+        yield chunk
+
+
+def _declared_size(upload) -> int | None:
+    size = getattr(upload, "size", None)
+    return size if isinstance(size, int) else None
+
+
+def _pickle_kind(head: bytes) -> str | None:
+    """What a non-safetensors file starting with `head` is, if it is a pickle-based format."""
+    if len(head) >= 9 and head[8:9] == b"{":
+        return None  # a safetensors length prefix followed by its JSON header
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return "a Python pickle (a PyTorch .bin checkpoint)"
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive (PyTorch's torch.save format, which contains a pickle)"
+    return None
+
+
+def refuse_pickle_name(upload, field: str) -> None:
+    name = os.path.basename(str(getattr(upload, "name", "") or ""))
+    if name.lower().endswith(PICKLE_SUFFIXES):
+        raise AdapterValidationError(
+            field, f"{name} is a pickle-based file; pickles can run code and are never loaded. "
+                   f"Upload {WEIGHTS_FILE} (save with safe_serialization=True, PEFT's default)."
+        )
+
+
+def read_config(upload) -> dict:
+    """The adapter_config.json upload, read with a small cap, parsed."""
+    declared = _declared_size(upload)
+    if declared is not None and declared > MAX_CONFIG_BYTES:
+        raise AdapterValidationError(CONFIG_FILE, f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES // 1024} KB.")
+    data = bytearray()
+    for chunk in _iter_chunks(upload, 64 * 1024):
+        data += chunk
+        if len(data) > MAX_CONFIG_BYTES:
+            raise AdapterValidationError(CONFIG_FILE, f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES // 1024} KB.")
+    return parse_config(bytes(data))
+
+
+def spool_weights(upload, dest: BinaryIO, *, max_bytes: int) -> tuple[str, int]:
+    """Copy the weights upload into `dest` chunk by chunk; returns (sha256 hex, size in bytes).
+
+    Stops reading as soon as the total passes `max_bytes`, and refuses a pickle from its first bytes.
+    """
+    refuse_pickle_name(upload, WEIGHTS_FILE)
+    limit = _human_bytes(max_bytes)
+    declared = _declared_size(upload)
+    if declared is not None and declared > max_bytes:
+        raise AdapterValidationError(WEIGHTS_FILE, f"{WEIGHTS_FILE} is {_human_bytes(declared)}; "
+                                                   f"the upload limit is {limit}.")
+    digest = hashlib.sha256()
+    size = 0
+    head = b""
+    for chunk in _iter_chunks(upload, STREAM_CHUNK_BYTES):
+        if len(head) < 16:
+            head += chunk[: 16 - len(head)]
+            if len(head) >= 16 and (kind := _pickle_kind(head)):
+                raise AdapterValidationError(
+                    WEIGHTS_FILE, f"the weights file is {kind}; pickles can run code and are never loaded. "
+                                  f"Upload {WEIGHTS_FILE}."
+                )
+        size += len(chunk)
+        if size > max_bytes:
+            raise AdapterValidationError(WEIGHTS_FILE, f"{WEIGHTS_FILE} is larger than the upload limit "
+                                                       f"of {limit}; the upload was stopped.")
+        digest.update(chunk)
+        dest.write(chunk)
+    if (kind := _pickle_kind(head)) is not None:  # a file shorter than 16 bytes
+        raise AdapterValidationError(WEIGHTS_FILE, f"the weights file is {kind}; pickles are never loaded.")
+    dest.flush()
+    return digest.hexdigest(), size
+
+
+def _refuse_if_deleted(adapter: Adapter) -> None:
+    if adapter.is_deleted:
+        raise AdapterDeleted("adapter", f"adapter {adapter.name!r} is deleted; it accepts no new versions.")
+
+
+def _store(sha256: str, content: BinaryIO) -> tuple[str, bool]:
+    """put_blob, turning any storage failure into BlobStorageError and cleaning a half-written key."""
+    from .storage import blob_exists, blob_sha256, storage_key_for
+
+    key = storage_key_for(sha256)
+    try:
+        return put_blob(sha256, content)
+    except BlobStorageError:
+        # A blob under our key with other content: left by a crash mid-write. If no version uses it,
+        # it is garbage and may be replaced; if one does, storage is corrupt and needs an operator.
+        if AdapterVersion.objects.filter(storage_key=key).exists():
+            raise
+        log.warning("replacing corrupt unreferenced blob %s", key)
+        delete_blob(key)
+        return put_blob(sha256, content)
+    except Exception as exc:
+        try:
+            if blob_exists(key) and blob_sha256(key) != sha256:
+                delete_blob(key)  # our partial write; a complete blob of the same bytes is left alone
+        except Exception:  # the storage is failing; the orphan (if any) is unreferenced garbage
+            log.exception("could not clean up after a failed write of %s", key)
+        raise BlobStorageError(f"storing the adapter weights failed: {exc}") from exc
+
+
+def _record_version(adapter: Adapter, spec: AdapterSpec, *, sha256: str, key: str, size: int,
+                    created_by, activate: bool | None) -> AdapterVersion:
+    with transaction.atomic():
+        locked = Adapter.objects.select_for_update().get(pk=adapter.pk)
+        _refuse_if_deleted(locked)
+        last = locked.versions.aggregate(last=Max("number"))["last"] or 0
+        version = AdapterVersion.objects.create(
+            adapter=locked, number=last + 1, sha256=sha256, storage_key=key, size_bytes=size,
+            rank=spec.rank, alpha=spec.alpha, use_rslora=spec.use_rslora,
+            target_modules=spec.target_modules, dtype=spec.dtype, parameter_count=spec.parameter_count,
+            peft_config=spec.peft_config, created_by=created_by,
+        )
+        if activate or (activate is None and locked.active_version_id is None):
+            reason = "uploaded with activate" if activate else "first version"
+            activate_version(locked, version, actor=created_by, reason=reason)
+            adapter.active_version = version
+    return version
+
+
+def create_adapter_version(adapter: Adapter, *, config_file, weights_file, created_by=None,
+                           activate: bool | None = None) -> AdapterVersion:
+    """Validate and store one PEFT upload as the adapter's next version.
+
+    `config_file`/`weights_file`: Django UploadedFiles or binary file-like objects. `activate`: True
+    makes it live, False never, None makes it live only if the adapter has no live version yet.
+    Raises AdapterValidationError (nothing stored) or BlobStorageError (nothing recorded).
+    """
+    adapter.refresh_from_db(fields=["deleted_at", "active_version"])
+    _refuse_if_deleted(adapter)
+    base = adapter.base
+    config = read_config(config_file)
+    with tempfile.TemporaryFile(dir=getattr(settings, "FILE_UPLOAD_TEMP_DIR", None)) as spool:
+        sha256, size = spool_weights(weights_file, spool, max_bytes=settings.LORAFLEET_MAX_UPLOAD_BYTES)
+        spec = validate_adapter(config, spool, size, base.shape_manifest, base.max_lora_rank)
+        key, created = _store(sha256, spool)
+    try:
+        return _record_version(adapter, spec, sha256=sha256, key=key, size=size, created_by=created_by,
+                               activate=activate)
+    except BaseException:
+        if created:
+            _delete_if_unreferenced(key)
+        raise
+
+
+def _delete_if_unreferenced(key: str) -> None:
+    """Remove a blob this upload wrote, unless a version (e.g. a concurrent identical upload) uses it."""
+    try:
+        if not AdapterVersion.objects.filter(storage_key=key).exists():
+            delete_blob(key)
+    except Exception:  # database or storage down: an unreferenced orphan is harmless, a lost row is not
+        log.exception("could not delete blob %s after a failed upload", key)

@@ -1,0 +1,251 @@
+"""Decides whether a PEFT LoRA adapter can be served faithfully on a base model, and describes it.
+
+The rule is "refuse what we cannot serve exactly as PEFT would": the worker applies
+`y = W·x + scale · B·(A·x)` on the seven Llama projections with one rank and one scale per adapter.
+Anything else in an upload — trained embeddings (`modules_to_save`), DoRA, per-module rank or alpha,
+a layer subset, a tensor the base has no module for — would be served wrongly or silently dropped,
+so it is refused with a message naming the field or tensor. In particular an adapter whose tensors
+match no module would otherwise serve the plain base model under the customer's name.
+
+Pure functions over parsed inputs (no Django, no storage): uploads.py streams and stores, this decides.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from adapters.manifest import lora_tensor_names
+from adapters.safetensors_check import (
+    DTYPE_NAMES, MAX_ENTRIES, SafetensorsError, SafetensorsLayout, check_finite, read_layout,
+)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 256 * 1024
+
+
+class AdapterValidationError(ValueError):
+    """An upload we refuse. `field` names the file, config key or tensor; str(err) is the sentence to show."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What the platform records about a valid adapter (the AdapterVersion's content columns)."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: list[str]           # sorted short names, e.g. ["q_proj", "v_proj"]
+    dtype: str                          # "float32" | "float16" | "bfloat16"
+    parameter_count: int
+    peft_config: dict = field(default_factory=dict)
+
+
+# Config keys that only matter while training or initialising, or are informational: any value is fine.
+_BENIGN_KEYS = {
+    "base_model_name_or_path", "revision", "peft_version", "inference_mode", "init_lora_weights",
+    "lora_dropout", "auto_mapping", "megatron_core", "qalora_group_size", "loftq_config", "eva_config",
+    "corda_config", "lora_ga_config", "exclude_modules", "layers_pattern",
+}
+# Keys checked one by one below.
+_CHECKED_KEYS = {"peft_type", "task_type", "r", "lora_alpha", "use_rslora", "target_modules", "bias",
+                 "fan_in_fan_out"}
+# Features that change the forward pass in ways the worker does not implement: must be unset/false.
+_UNSUPPORTED = {
+    "modules_to_save": "modules_to_save trains full copies of modules (e.g. embeddings or lm_head) that "
+                       "lorafleet cannot serve; train a plain LoRA adapter without modules_to_save.",
+    "use_dora": "DoRA (use_dora) adapters are not supported; lorafleet serves plain LoRA.",
+    "rank_pattern": "per-module ranks (rank_pattern) are not supported; every module must use rank r.",
+    "alpha_pattern": "per-module alphas (alpha_pattern) are not supported; every module must use lora_alpha.",
+    "layers_to_transform": "layers_to_transform (LoRA on a subset of layers) is not supported; "
+                           "adapt every layer of the target modules.",
+    "layer_replication": "layer_replication is not supported.",
+    "trainable_token_indices": "trainable_token_indices trains embedding rows, which lorafleet cannot serve.",
+    "lora_bias": "lora_bias adds a bias to lora_B, which lorafleet does not serve.",
+    "use_qalora": "QALoRA (use_qalora) is not supported.",
+    "megatron_config": "Megatron-sharded LoRA layers are not supported.",
+    "target_parameters": "target_parameters (LoRA on raw parameters) is not supported; target modules.",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported.",
+    "ensure_weight_tying": "ensure_weight_tying concerns tied embeddings, which lorafleet does not adapt.",
+}
+_EMBEDDING_HINTS = ("embed_tokens", "lm_head", "wte", "embed_out", "lora_embedding")
+
+
+def _fail(field_name: str, message: str) -> AdapterValidationError:
+    return AdapterValidationError(field_name, message)
+
+
+def parse_config(raw: bytes) -> dict:
+    """adapter_config.json bytes -> dict, refusing anything that is not a small JSON object."""
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise _fail(CONFIG_FILE, f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES // 1024} KB.")
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _fail(CONFIG_FILE, f"{CONFIG_FILE} is not valid UTF-8 JSON.") from None
+    if not isinstance(config, dict):
+        raise _fail(CONFIG_FILE, f"{CONFIG_FILE} must be a JSON object.")
+    return config
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_config(config: dict, manifest: dict, max_rank: int) -> tuple[int, float, bool, list[str]]:
+    """Check an adapter_config.json against what we serve; returns (r, alpha, use_rslora, target_modules)."""
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise _fail("peft_type", f"peft_type is {peft_type!r}; only LORA adapters are supported.")
+    task_type = config.get("task_type")
+    if task_type not in (None, "CAUSAL_LM"):
+        raise _fail("task_type", f"task_type is {task_type!r}; only CAUSAL_LM adapters are supported.")
+
+    r = config.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise _fail("r", f"r must be a positive integer; got {r!r}.")
+    if r > max_rank:
+        raise _fail("r", f"rank {r} is over this base model's maximum LoRA rank of {max_rank}.")
+    alpha = config.get("lora_alpha")
+    if not _is_number(alpha) or not 0 < alpha < 1e6:
+        raise _fail("lora_alpha", f"lora_alpha must be a positive number; got {alpha!r}.")
+    use_rslora = config.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise _fail("use_rslora", f"use_rslora must be true or false; got {use_rslora!r}.")
+    if config.get("bias", "none") != "none":
+        raise _fail("bias", f"bias is {config.get('bias')!r}; only bias='none' is supported.")
+    if config.get("fan_in_fan_out"):
+        raise _fail("fan_in_fan_out", "fan_in_fan_out (transposed weights, GPT-2 style) is not supported.")
+
+    for key, reason in _UNSUPPORTED.items():
+        if config.get(key):
+            raise _fail(key, reason)
+    for key, value in config.items():
+        if key not in _BENIGN_KEYS and key not in _CHECKED_KEYS and key not in _UNSUPPORTED and value:
+            # A PEFT feature we have not reviewed might change the forward pass: refuse, don't guess.
+            raise _fail(key, f"{CONFIG_FILE} sets {key}, which lorafleet does not support; "
+                             f"only plain LoRA adapters are served.")
+
+    targets = config.get("target_modules")
+    known = manifest["modules"]
+    if targets == "all-linear":
+        target_list = sorted(known)
+    elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
+        target_list = sorted(set(targets))
+        for name in target_list:
+            if name not in known:
+                if any(hint in name for hint in _EMBEDDING_HINTS):
+                    raise _fail("target_modules", f"target module {name!r} is an embedding or output layer; "
+                                                  f"lorafleet adapts only {', '.join(sorted(known))}.")
+                raise _fail("target_modules", f"target module {name!r} is not a module of this base model; "
+                                              f"allowed: {', '.join(sorted(known))}.")
+    else:
+        raise _fail("target_modules", f"target_modules must be a non-empty list of module names "
+                                      f"(e.g. [\"q_proj\", \"v_proj\"]); got {targets!r}.")
+    return r, float(alpha), use_rslora, target_list
+
+
+def _explain_unknown_tensor(name: str, manifest: dict) -> str:
+    if "lora_magnitude_vector" in name:
+        return f"tensor {name} is a DoRA magnitude vector; DoRA adapters are not supported."
+    if "modules_to_save" in name:
+        return f"tensor {name} is a full module copy (modules_to_save), which lorafleet cannot serve."
+    if any(hint in name for hint in _EMBEDDING_HINTS):
+        return f"tensor {name} adapts an embedding or output layer, which lorafleet cannot serve."
+    if name.endswith(".bias") or "lora_bias" in name:
+        return f"tensor {name} is a bias; only lora_A/lora_B weights are served."
+    parts = name.split(".")
+    if "layers" in parts:
+        index = parts.index("layers") + 1
+        if index < len(parts) and parts[index].isdigit() and int(parts[index]) >= manifest["num_layers"]:
+            return (f"tensor {name} is for layer {parts[index]}, but the base model has "
+                    f"{manifest['num_layers']} layers.")
+    return (f"tensor {name} does not match any module of the base model (expected names like "
+            f"{lora_tensor_names(manifest, next(iter(manifest['modules'])), 0)[0]}).")
+
+
+def check_tensors(layout: SafetensorsLayout, manifest: dict, rank: int,
+                  targets: list[str]) -> tuple[str, int]:
+    """Every tensor must be a lora_A/lora_B of a target module in some layer, with the right shape,
+    and every target module must have both in every layer. Returns (dtype, parameter_count)."""
+    tensors = layout.tensors
+    if not tensors:
+        raise _fail(WEIGHTS_FILE, f"{WEIGHTS_FILE} holds no tensors, so it matches no module of the base "
+                                  f"model and would serve the base model unchanged.")
+    expected: dict[str, tuple[str, int, str]] = {}
+    for module, spec in manifest["modules"].items():
+        for layer in range(int(spec["layers"])):
+            name_a, name_b = lora_tensor_names(manifest, module, layer)
+            expected[name_a] = (module, layer, "A")
+            expected[name_b] = (module, layer, "B")
+
+    for name in sorted(tensors):
+        if name not in expected:
+            raise _fail(name, _explain_unknown_tensor(name, manifest))
+    found_modules = sorted({expected[name][0] for name in tensors})
+    extra = sorted(set(found_modules) - set(targets))
+    if extra:
+        raise _fail("target_modules", f"the weights adapt {', '.join(extra)}, which target_modules does not "
+                                      f"list ({', '.join(targets)}).")
+
+    dtypes = set()
+    for name in sorted(tensors):
+        module, layer, which = expected[name]
+        spec = manifest["modules"][module]
+        info = tensors[name]
+        d_in, d_out = int(spec["in_features"]), int(spec["out_features"])
+        if which == "A":
+            want, why = (rank, d_in), f"rank {rank} × in_features {d_in}"
+        else:
+            want, why = (d_out, rank), f"out_features {d_out} × rank {rank}"
+        if info.shape != want:
+            if len(info.shape) == 2 and info.shape[0 if which == "A" else 1] != rank:
+                tensor_rank = info.shape[0 if which == "A" else 1]
+                raise _fail(name, f"tensor {name} has rank {tensor_rank} (shape {list(info.shape)}) but "
+                                  f"{CONFIG_FILE} says r = {rank}; expected shape {list(want)} ({why}).")
+            raise _fail(name, f"tensor {name} has shape {list(info.shape)}, expected {list(want)} ({why}).")
+        dtypes.add(info.dtype)
+
+    for module in targets:
+        for layer in range(int(manifest["modules"][module]["layers"])):
+            for tensor_name in lora_tensor_names(manifest, module, layer):
+                if tensor_name not in tensors:
+                    raise _fail(tensor_name, f"tensor {tensor_name} is missing: target_modules lists {module}, "
+                                             f"so every layer needs its lora_A and lora_B.")
+    if len(dtypes) != 1:
+        raise _fail(WEIGHTS_FILE, f"tensors mix dtypes {sorted(DTYPE_NAMES[d] for d in dtypes)}; "
+                                  f"use one dtype for the whole adapter.")
+    parameter_count = sum(info.numel for info in tensors.values())
+    return DTYPE_NAMES[dtypes.pop()], parameter_count
+
+
+def max_entries_for(manifest: dict) -> int:
+    """The most tensors a valid adapter for this base can have (lora_A + lora_B per module per layer)."""
+    return min(MAX_ENTRIES, sum(2 * int(m["layers"]) for m in manifest["modules"].values()))
+
+
+def validate_adapter(config: dict, weights: BinaryIO, weights_size: int, manifest: dict,
+                     max_rank: int) -> AdapterSpec:
+    """The whole decision: config, then the safetensors header, then tensors vs. the base, then NaN/Inf.
+
+    Cheap checks first, so a hostile file is refused before its data is ever read.
+    """
+    rank, alpha, use_rslora, targets = check_config(config, manifest, max_rank)
+    try:
+        layout = read_layout(weights, weights_size, max_entries=max_entries_for(manifest))
+    except SafetensorsError as exc:
+        field_name = WEIGHTS_FILE if exc.field in ("header", "__metadata__") else exc.field
+        raise _fail(field_name, f"{WEIGHTS_FILE}: {exc.message}") from None
+    dtype, parameter_count = check_tensors(layout, manifest, rank, targets)
+    try:
+        check_finite(weights, layout)
+    except SafetensorsError as exc:
+        raise _fail(exc.field, exc.message) from None
+    return AdapterSpec(rank=rank, alpha=alpha, use_rslora=use_rslora, target_modules=targets,
+                       dtype=dtype, parameter_count=parameter_count, peft_config=config)
