@@ -95,6 +95,7 @@ USE_TZ = True
 STATIC_URL = "/static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "staticfiles"
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 
 # --- storage --------------------------------------------------------------------------------
 # "adapters" holds adapter blobs, content-addressed by sha256 and never overwritten.

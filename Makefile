@@ -1,0 +1,59 @@
+# lorafleet — the two README commands are `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_HOST ?= 127.0.0.1
+DEMO_PORT ?= 8000
+
+.PHONY: install test test-fast demo demo-setup faults bench browser-deps clean
+
+$(PY):
+	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip wheel setuptools
+
+# torch is installed first and on its own: `torch==2.13.0` takes the CPU wheel on disk, where any looser
+# spec pulled in by another package would download a multi-GB CUDA build.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian's chromium for the dashboard's browser tests (Playwright drives it; nothing is downloaded by Playwright).
+browser-deps:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			(apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) \
+				|| echo "could not install chromium; browser tests will skip (or fail with CI=true)"; \
+		else echo "chromium missing: install Debian's chromium for the browser tests"; fi; \
+	fi
+
+test: install browser-deps
+	$(PY) manage.py check --fail-level WARNING
+	$(PY) manage.py makemigrations --check --dry-run
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not browser and not slow" $(PYTEST_ARGS)
+
+demo-setup: install
+	$(PY) manage.py migrate --noinput
+	$(PY) manage.py demo_setup
+
+demo: demo-setup
+	@bash scripts/run_demo.sh $(DEMO_HOST) $(DEMO_PORT)
+
+faults: install
+	LORAFLEET_FAULTS_FULL=1 $(PY) -m pytest -q tests/reliability $(PYTEST_ARGS)
+
+bench: install
+	$(PY) bench/kernels.py
+	$(PY) bench/engine.py
+	$(PY) bench/adapter_load.py
+
+clean:
+	rm -rf var/celery var/screenshots

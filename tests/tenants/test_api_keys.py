@@ -1,0 +1,81 @@
+"""API keys: format, checksum, hashing, expiry, revocation (DESIGN.md "API keys")."""
+import datetime as dt
+import math
+
+import pytest
+from django.utils import timezone
+
+from tenants.keys import ALPHABET, ID_LEN, PREFIX, SECRET_LEN, KeyRejected, authenticate_api_key, parse_key
+from tenants.models import ApiKey
+from tenants.services import issue_api_key, revoke_api_key
+
+
+def test_key_has_prefix_entropy_and_checksum(world):
+    raw = world.acme_secret
+    assert raw.startswith(PREFIX)
+    assert SECRET_LEN * math.log2(len(ALPHABET)) >= 128
+    key_id, secret = parse_key(raw)
+    assert len(key_id) == ID_LEN and len(secret) == SECRET_LEN
+
+
+def test_secret_is_never_stored(world):
+    key = ApiKey.objects.get(pk=world.acme_key.pk)
+    _, secret = parse_key(world.acme_secret)
+    stored = " ".join(str(getattr(key, f.attname)) for f in ApiKey._meta.fields)
+    assert secret not in stored
+    assert world.acme_secret not in stored
+    assert key.last4 == world.acme_secret[-4:]
+
+
+def test_it_authenticates_and_records_last_use(world):
+    key = authenticate_api_key(world.acme_secret)
+    assert key.pk == world.acme_key.pk and key.tenant == world.acme
+    assert ApiKey.objects.get(pk=key.pk).last_used_at is not None
+
+
+def test_mistyped_key_is_refused_without_a_query(world, django_assert_num_queries):
+    raw = world.acme_secret
+    flipped = raw[:25] + ("A" if raw[25] != "A" else "B") + raw[26:]
+    with django_assert_num_queries(0):
+        with pytest.raises(KeyRejected) as exc:
+            authenticate_api_key(flipped)
+    assert exc.value.reason == "bad_checksum"
+
+
+@pytest.mark.parametrize("raw", ["", "Bearer", "sk-123", "lf_live_short_abc", "lf_live_" + "x" * 60])
+def test_malformed_keys_are_refused(db, raw):
+    with pytest.raises(KeyRejected) as exc:
+        authenticate_api_key(raw)
+    assert exc.value.reason == "malformed"
+
+
+def test_unknown_key_with_valid_checksum_is_refused(world):
+    from tenants.keys import generate_key
+
+    forged, _, _ = generate_key()
+    with pytest.raises(KeyRejected) as exc:
+        authenticate_api_key(forged)
+    assert exc.value.reason == "unknown"
+
+
+def test_revoked_key_is_refused(world):
+    revoke_api_key(world.acme_key)
+    with pytest.raises(KeyRejected) as exc:
+        authenticate_api_key(world.acme_secret)
+    assert exc.value.reason == "revoked"
+
+
+def test_expired_key_is_refused(world):
+    key, raw = issue_api_key(world.acme, "short", expires_at=timezone.now() + dt.timedelta(seconds=30))
+    ApiKey.objects.filter(pk=key.pk).update(expires_at=timezone.now() - dt.timedelta(seconds=1))
+    with pytest.raises(KeyRejected) as exc:
+        authenticate_api_key(raw)
+    assert exc.value.reason == "expired"
+
+
+def test_key_cannot_be_bound_to_another_tenants_adapter(world):
+    from adapters.models import Adapter
+
+    with pytest.raises(Adapter.DoesNotExist):
+        issue_api_key(world.acme, "sneaky", bound_adapter=world.globex_adapter)
+    assert not ApiKey.objects.filter(name="sneaky").exists()
