@@ -1,0 +1,159 @@
+"""docker-compose.yml and the Dockerfile, checked statically (no Docker engine runs here).
+
+What an operator would trip over: a service missing, web or worker starting before migrations, the worker
+without a GPU, web and worker configured differently (uploads land in one bucket, the worker reads
+another), or a setting config/settings.py requires that compose never sets.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+DJANGO_SERVICES = ("migrate", "web", "worker")
+# Compose interpolation: ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?error}, ${NAME?error}
+_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+def _resolve(value: str) -> str:
+    """What compose makes of a value with nothing set in the environment: defaults, '$$' -> '$'.
+
+    A required variable (`:?`) stands for itself as `<NAME>` so the test can still compare strings."""
+    def sub(match: re.Match) -> str:
+        name, op, arg = match.groups()
+        if op in (":-", "-"):
+            return arg
+        return f"<{name}>"
+
+    return _INTERPOLATION.sub(sub, str(value)).replace("$$", "$")
+
+
+def _settings_env_reads() -> dict[str, bool]:
+    """Every env_*("NAME", ...) call in config/settings.py -> whether it has a default."""
+    tree = ast.parse((ROOT / "config" / "settings.py").read_text())
+    reads: dict[str, bool] = {}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.startswith("env_")):
+            continue
+        if not (node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            continue
+        default = node.args[1] if len(node.args) > 1 else next(
+            (kw.value for kw in node.keywords if kw.arg == "default"), None
+        )
+        has_default = default is not None and not (isinstance(default, ast.Constant) and default.value is None)
+        # env_bool/env_int/... always have one in config/env.py's signatures; env_str's is optional.
+        reads[node.args[0].value] = has_default or node.func.id != "env_str"
+    return reads
+
+
+def _commands_as_text(service: dict) -> str:
+    command = service.get("command", "")
+    return " ".join(command) if isinstance(command, list) else str(command)
+
+
+def test_the_production_services_are_all_there():
+    assert {"postgres", "redis", "minio", "minio-init", "migrate", "web", "worker"} <= set(SERVICES)
+
+
+def test_migrate_is_a_one_shot_that_runs_before_web_and_worker():
+    migrate = SERVICES["migrate"]
+    assert migrate["restart"] == "no"
+    assert "manage.py migrate" in _commands_as_text(migrate)
+    assert migrate["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for name in ("web", "worker"):
+        assert SERVICES[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully", name
+
+
+def test_the_bucket_exists_before_anything_stores_adapters_and_is_the_one_settings_use():
+    init = SERVICES["minio-init"]
+    assert init["restart"] == "no"
+    assert "mc mb --ignore-existing" in _commands_as_text(init)
+    env = COMPOSE["x-lorafleet-env"]
+    assert _resolve(init["environment"]["BUCKET"]) == _resolve(env["AWS_STORAGE_BUCKET_NAME"])
+    # MinIO's root credentials are the ones the app signs with.
+    minio_env = SERVICES["minio"]["environment"]
+    assert _resolve(minio_env["MINIO_ROOT_USER"]) == _resolve(env["AWS_ACCESS_KEY_ID"])
+    assert _resolve(minio_env["MINIO_ROOT_PASSWORD"]) == _resolve(env["AWS_SECRET_ACCESS_KEY"])
+    for name in ("web", "worker"):
+        assert SERVICES[name]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
+
+
+def test_database_url_names_the_postgres_service_credentials():
+    pg = SERVICES["postgres"]["environment"]
+    url = _resolve(COMPOSE["x-lorafleet-env"]["DATABASE_URL"])
+    user, password, db = (_resolve(pg[k]) for k in ("POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB"))
+    assert url == f"postgres://{user}:{password}@postgres:5432/{db}"
+
+
+def test_worker_reserves_an_nvidia_gpu_and_serves_one_base():
+    devices = SERVICES["worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] and d.get("count", 0) >= 1 for d in devices)
+    command = SERVICES["worker"]["command"]
+    assert command[:4] == ["python", "manage.py", "run_worker", "--base"]
+    assert command[4].startswith("${LORAFLEET_BASE_SLUG:?")  # refuses to start without a base
+
+
+def test_web_serves_the_wsgi_app_with_gunicorn():
+    command = _commands_as_text(SERVICES["web"])
+    assert command.startswith("gunicorn config.wsgi:application")
+
+
+def test_web_worker_and_migrate_read_the_same_settings_from_one_image():
+    shared = COMPOSE["x-lorafleet-env"]
+    for name in DJANGO_SERVICES:
+        assert SERVICES[name]["environment"] == shared, name
+        assert SERVICES[name]["image"] == SERVICES["web"]["image"] and SERVICES[name]["build"] == "."
+    for variable in (
+        "DJANGO_SECRET_KEY", "DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "LORAFLEET_STORAGE",
+        "AWS_STORAGE_BUCKET_NAME", "AWS_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+    ):
+        assert shared.get(variable), variable
+    assert shared["LORAFLEET_STORAGE"] == "s3"
+    assert _resolve(shared["CELERY_BROKER_URL"]).startswith("redis://redis:")
+    assert str(shared["LORAFLEET_PRODUCTION"]) == "1"  # the embedded default secret is refused
+
+
+def test_every_setting_is_set_in_compose_or_has_a_default():
+    reads = _settings_env_reads()
+    assert len(reads) >= 10, "the parser found too few env_* reads in config/settings.py"
+    shared = COMPOSE["x-lorafleet-env"]
+    missing = [name for name, has_default in reads.items() if not has_default and shared.get(name) is None]
+    assert not missing, f"config/settings.py requires {missing} but docker-compose.yml does not set them"
+
+
+def test_compose_sets_no_variable_the_project_never_reads():
+    """A misspelt name in compose would be silently ignored while the setting keeps its default."""
+    reads = set(_settings_env_reads())
+    source = "\n".join(
+        p.read_text() for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "tests" not in p.parts
+    )
+    unread = [name for name in COMPOSE["x-lorafleet-env"] if name not in reads and f'"{name}"' not in source]
+    assert not unread, f"docker-compose.yml sets {unread}, which nothing in the project reads"
+
+
+def test_every_interpolated_variable_has_a_default_or_demands_a_value():
+    """`${NAME}` with NAME unset becomes an empty string without a word; we want a default or an error."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    bare = [m.group(1) for m in _INTERPOLATION.finditer(text) if m.group(2) is None]
+    assert not bare, f"add :-default or :?message to {bare}"
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text()
+
+
+def test_dockerfile_builds_on_python_311_slim_and_installs_the_pinned_dependencies(dockerfile):
+    assert re.search(r"^FROM python:3\.11-slim\s*$", dockerfile, re.MULTILINE)
+    assert "COPY pyproject.toml" in dockerfile and "pip install -r" in dockerfile
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    unpinned = [d for d in dependencies if "==" not in d]
+    assert not unpinned, f"the image would not be reproducible: {unpinned}"
+    assert re.search(r"^USER (?!root)", dockerfile, re.MULTILINE)  # the app does not run as root
