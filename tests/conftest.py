@@ -65,3 +65,53 @@ def redis_url() -> str:
     parsed = urlparse(REDIS_URL)
     require_service(f"Redis at {REDIS_URL}", _reachable(parsed.hostname or "127.0.0.1", parsed.port or 6379))
     return REDIS_URL
+
+
+# --- the tenant-isolation fixture: alice owns acme, bob is a viewer in acme, charlie owns globex -----
+
+
+@pytest.fixture
+def world(db):
+    """Two tenants with users, a base, adapters with versions and keys: the isolation fixture.
+
+    Rows only (no blobs): for tests of scoping, pointers and invariants. Upload tests build real ones.
+    """
+    from types import SimpleNamespace
+
+    from django.contrib.auth import get_user_model
+
+    from adapters.models import AdapterVersion, BaseModel
+    from adapters.services import activate_version, create_adapter
+    from tenants.models import Role
+    from tenants.services import add_member, create_tenant, issue_api_key
+
+    User = get_user_model()
+    alice = User.objects.create_user("alice", password="alice-password-1")
+    bob = User.objects.create_user("bob", password="bob-password-1")
+    charlie = User.objects.create_user("charlie", password="charlie-password-1")
+    acme = create_tenant("acme", "Acme", owner=alice)
+    add_member(acme, bob, Role.VIEWER)
+    globex = create_tenant("globex", "Globex", owner=charlie)
+    base = BaseModel.objects.create(
+        slug="tiny", display_name="Tiny", sha256="0" * 64, architecture="llama",
+        shape_manifest={"modules": {}}, queue_name="base.tiny",
+    )
+
+    def make_version(adapter, number, sha_char):
+        return AdapterVersion.objects.create(
+            adapter=adapter, number=number, sha256=sha_char * 64, storage_key=f"adapters/{sha_char * 64}.safetensors",
+            size_bytes=1000, rank=8, alpha=16, target_modules=["q_proj", "v_proj"], dtype="float32",
+            parameter_count=250, created_by=None,
+        )
+
+    acme_adapter = create_adapter(acme, "support-bot", base, created_by=alice)
+    acme_v1 = make_version(acme_adapter, 1, "a")
+    acme_v2 = make_version(acme_adapter, 2, "b")
+    activate_version(acme_adapter, acme_v1, actor=alice, reason="first")
+    activate_version(acme_adapter, acme_v2, actor=alice, reason="better")
+    globex_adapter = create_adapter(globex, "support-bot", base, created_by=charlie)
+    globex_v1 = make_version(globex_adapter, 1, "c")
+    activate_version(globex_adapter, globex_v1, actor=charlie, reason="first")
+    acme_key, acme_secret = issue_api_key(acme, "prod", created_by=alice)
+    globex_key, globex_secret = issue_api_key(globex, "prod", created_by=charlie)
+    return SimpleNamespace(**locals())
