@@ -1,0 +1,90 @@
+"""Dashboard forms of the adapters app. Choice querysets are narrowed to the current tenant."""
+from __future__ import annotations
+
+from django import forms
+from django.apps import apps
+
+from . import capacity
+from .models import Adapter, BaseModel, adapter_name_validator
+
+
+class AdapterCreateForm(forms.Form):
+    name = forms.CharField(max_length=64, validators=[adapter_name_validator],
+                           help_text="Clients call it by this name (the `model` field). Letters, digits, . _ -")
+    base = forms.ModelChoiceField(queryset=BaseModel.objects.all(), empty_label=None,
+                                  help_text="Every version of this adapter must fit this base model's shapes.")
+    description = forms.CharField(max_length=500, required=False, widget=forms.Textarea(attrs={"rows": 2}))
+
+    def __init__(self, *args, tenant, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tenant = tenant
+
+    def clean_name(self):
+        name = self.cleaned_data["name"]
+        # Deleted adapters keep their name (audit rows and pointer history refer to it).
+        if Adapter.objects.for_tenant(self.tenant).filter(name=name).exists():
+            raise forms.ValidationError("This tenant already has an adapter with that name.")
+        return name
+
+
+class UploadForm(forms.Form):
+    """The two files of a PEFT folder. Django has already streamed them to temporary files."""
+
+    config_file = forms.FileField(label="adapter_config.json")
+    weights_file = forms.FileField(label="adapter_model.safetensors")
+    activate = forms.BooleanField(required=False, label="Make this version live once it is validated")
+
+
+class ActivateForm(forms.Form):
+    reason = forms.CharField(max_length=500, widget=forms.Textarea(attrs={"rows": 2}),
+                             help_text="Recorded in the pointer history with your name and the time.")
+
+
+class AuditFilterForm(forms.Form):
+    q = forms.CharField(required=False, label="Request id", widget=forms.TextInput(attrs={"placeholder": "request id"}))
+    adapter = forms.ModelChoiceField(queryset=None, required=False, empty_label="All adapters")
+    version = forms.IntegerField(required=False, min_value=1, widget=forms.NumberInput(attrs={"placeholder": "any"}))
+    status = forms.ChoiceField(required=False)
+    date_from = forms.DateField(required=False, label="From", widget=forms.DateInput(attrs={"type": "date"}))
+    date_to = forms.DateField(required=False, label="To", widget=forms.DateInput(attrs={"type": "date"}))
+
+    def __init__(self, *args, tenant, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["adapter"].queryset = Adapter.objects.for_tenant(tenant)
+        status_choices = apps.get_model("gateway", "AuditRecord")._meta.get_field("status").choices
+        self.fields["status"].choices = [("", "Any status"), *status_choices]
+
+
+class UsageWindowForm(forms.Form):
+    window = forms.ChoiceField(choices=[("24h", "Last 24 hours"), ("7d", "Last 7 days")], required=False)
+
+
+TARGET_CHOICES = [("attention-only", "attention-only (q, k, v, o)"), ("all-linear", "all-linear (+ gate, up, down)")]
+DTYPE_CHOICES = [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp8", "fp8")]
+
+
+class CapacityForm(forms.Form):
+    """Inputs of adapters.capacity.plan_capacity. `model` is "preset:<name>" or "base:<slug>"."""
+
+    model = forms.ChoiceField(label="Base model")
+    rank = forms.IntegerField(min_value=1, max_value=1024, initial=16)
+    targets = forms.ChoiceField(choices=TARGET_CHOICES, initial="all-linear")
+    dtype = forms.ChoiceField(choices=DTYPE_CHOICES, initial="bf16", label="Weights dtype")
+    kv_dtype = forms.ChoiceField(choices=DTYPE_CHOICES, initial="bf16", label="KV cache dtype")
+    adapters = forms.IntegerField(min_value=0, max_value=10_000_000, initial=100, label="Resident adapters")
+    gpu_gb = forms.FloatField(min_value=0.5, max_value=10_000, initial=80, label="GPU memory (GB)")
+    context_len = forms.IntegerField(min_value=1, max_value=10_000_000, initial=4096, label="Context length")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        choices = [(f"preset:{name}", name) for name in capacity.PRESET_NAMES]
+        choices += [(f"base:{b.slug}", f"{b.display_name} (registered)") for b in BaseModel.objects.all()]
+        self.fields["model"].choices = choices
+        self.fields["model"].initial = choices[0][0]
+
+    def manifest(self) -> tuple[str, dict]:
+        kind, _, name = self.cleaned_data["model"].partition(":")
+        if kind == "base":
+            base = BaseModel.objects.get(slug=name)
+            return base.display_name, base.shape_manifest
+        return name, capacity.preset_manifest(name)
