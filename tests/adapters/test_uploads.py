@@ -1,0 +1,329 @@
+"""The upload service end to end, with adapters written by PEFT on a tiny base built locally.
+
+Every refusal is checked for three things a user (and an operator) would notice: the message names
+the culprit, no AdapterVersion row exists, and the storage folder is empty.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.core.management import call_command
+
+from adapters.models import AdapterVersion
+from adapters.storage import BlobStorageError, read_blob, storage_key_for
+from adapters.uploads import AdapterDeleted, create_adapter_version, spool_weights
+from adapters.validation import AdapterValidationError
+
+pytestmark = pytest.mark.django_db
+
+
+def stored_files(location: Path) -> list[str]:
+    """Every file in the adapter storage folder, as storage keys."""
+    return sorted(str(p.relative_to(location)) for p in location.rglob("*") if p.is_file())
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _assert_refused(excinfo, field: str, *fragments: str, blob_dir: Path) -> None:
+    err = excinfo.value
+    assert err.field == field, (err.field, str(err))
+    for fragment in fragments:
+        assert fragment in str(err), (fragment, str(err))
+    assert AdapterVersion.objects.count() == 0
+    assert stored_files(blob_dir) == []
+
+
+def test_a_good_adapter_lands_with_its_row_blob_and_derived_facts(adapter, peft_adapters, upload, blob_dir, alice):
+    weights = peft_adapters.good / "adapter_model.safetensors"
+    version = upload(adapter, peft_adapters.good, created_by=alice)
+
+    version.refresh_from_db()
+    assert version.number == 1
+    assert version.sha256 == _sha256(weights)
+    assert version.storage_key == storage_key_for(version.sha256)
+    assert version.size_bytes == weights.stat().st_size
+    assert (version.rank, version.alpha, version.use_rslora) == (8, 16.0, False)
+    assert version.target_modules == ["q_proj", "v_proj"]
+    assert version.dtype == "float32"
+    # 2 layers × (q: A 8×64 + B 64×8, v: A 8×64 + B 32×8)
+    assert version.parameter_count == 2 * (8 * 64 + 64 * 8 + 8 * 64 + 32 * 8)
+    assert version.created_by == alice
+    assert stored_files(blob_dir) == [version.storage_key]
+    assert read_blob(version.storage_key) == weights.read_bytes()
+    adapter.refresh_from_db()
+    assert adapter.active_version == version  # the first version goes live
+    assert adapter.pointer_changes.get().to_version == version
+
+
+def test_versions_count_up_and_only_the_first_goes_live_unless_asked(adapter, peft_adapters, upload, blob_dir):
+    v1 = upload(adapter, peft_adapters.good)
+    v2 = upload(adapter, peft_adapters.good_other)
+    adapter.refresh_from_db()
+    assert (v1.number, v2.number) == (1, 2)
+    assert adapter.active_version == v1
+    assert (v2.rank, v2.use_rslora, v2.dtype) == (4, True, "bfloat16")
+    assert v2.target_modules == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+    v3 = upload(adapter, peft_adapters.good, activate=True)
+    adapter.refresh_from_db()
+    assert v3.number == 3 and adapter.active_version == v3
+    # v1 and v3 hold the same bytes: one blob, shared, never rewritten.
+    assert v3.storage_key == v1.storage_key
+    assert stored_files(blob_dir) == sorted([v1.storage_key, v2.storage_key])
+
+
+def test_django_uploaded_files_are_accepted(adapter, peft_adapters, blob_dir):
+    folder = peft_adapters.good
+    version = create_adapter_version(
+        adapter,
+        config_file=SimpleUploadedFile("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
+        weights_file=SimpleUploadedFile("adapter_model.safetensors",
+                                        (folder / "adapter_model.safetensors").read_bytes()),
+    )
+    assert version.sha256 == _sha256(folder / "adapter_model.safetensors")
+
+
+class _Canary:
+    """Unpickling this creates a directory: proof that someone loaded the pickle."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+        return (os.mkdir, (str(self.path),))
+
+
+@pytest.mark.parametrize("weights_name", ["adapter_model.bin", "adapter_model.safetensors"])
+def test_a_pickle_is_refused_by_name_and_content_and_never_unpickled(
+    adapter, peft_adapters, upload, blob_dir, tmp_path, weights_name
+):
+    canary = tmp_path / "canary-created-by-unpickling"
+    folder = tmp_path / "evil"
+    folder.mkdir()
+    shutil.copy(peft_adapters.good / "adapter_config.json", folder)
+    (folder / weights_name).write_bytes(pickle.dumps({"lora": _Canary(canary)}, protocol=4))
+
+    with pytest.raises(AdapterValidationError) as excinfo:
+        upload(adapter, folder, weights_name=weights_name)
+    _assert_refused(excinfo, "adapter_model.safetensors", "pickle", blob_dir=blob_dir)
+    assert not canary.exists()
+    pickle.loads((folder / weights_name).read_bytes())  # the canary works: loading *would* have fired
+    assert canary.exists()
+
+
+def test_a_torch_save_zip_is_refused(adapter, peft_adapters, upload, blob_dir, tmp_path):
+    import torch
+
+    folder = tmp_path / "torchsave"
+    folder.mkdir()
+    shutil.copy(peft_adapters.good / "adapter_config.json", folder)
+    torch.save({"w": torch.ones(2)}, folder / "adapter_model.safetensors")
+    with pytest.raises(AdapterValidationError) as excinfo:
+        upload(adapter, folder)
+    _assert_refused(excinfo, "adapter_model.safetensors", "zip archive", blob_dir=blob_dir)
+
+
+def test_wrong_shapes_name_the_tensor_and_the_expected_shape(adapter, peft_adapters, upload, blob_dir):
+    with pytest.raises(AdapterValidationError) as excinfo:
+        upload(adapter, peft_adapters.wrong_shapes)
+    name = "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"
+    _assert_refused(excinfo, name, f"tensor {name} has shape [64, 8], expected [32, 8] "
+                                   f"(out_features 32 × rank 8)", blob_dir=blob_dir)
+
+
+def test_rank_over_the_bases_cap_is_refused(adapter, peft_adapters, upload, blob_dir):
+    with pytest.raises(AdapterValidationError) as excinfo:
+        upload(adapter, peft_adapters.rank_over_cap)
+    _assert_refused(excinfo, "r", "rank 32 is over this base model's maximum LoRA rank of 16", blob_dir=blob_dir)
+
+
+def test_modules_to_save_is_refused(adapter, peft_adapters, upload, blob_dir):
+    with pytest.raises(AdapterValidationError) as excinfo:
+        upload(adapter, peft_adapters.modules_to_save)
+    _assert_refused(excinfo, "modules_to_save", "modules_to_save", blob_dir=blob_dir)
+
+
+def test_an_adapter_matching_no_module_is_refused(adapter, peft_adapters, upload, blob_dir):
+    with pytest.raises(AdapterValidationError) as excinfo:
+        upload(adapter, peft_adapters.no_match)
+    _assert_refused(excinfo, "base_model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                    "does not match any module of the base model", blob_dir=blob_dir)
+
+
+def test_an_oversize_file_is_refused(adapter, peft_adapters, upload, blob_dir, settings):
+    settings.LORAFLEET_MAX_UPLOAD_BYTES = 10_000  # the good adapter is ~15 KB
+    with pytest.raises(AdapterValidationError) as excinfo:
+        upload(adapter, peft_adapters.good)
+    _assert_refused(excinfo, "adapter_model.safetensors", "upload limit of 9.8 KB", blob_dir=blob_dir)
+
+
+class _EndlessStream:
+    """A body that never ends (a "10 GB" upload): counts what the server reads from it."""
+
+    def __init__(self):
+        self.consumed = 0
+
+    def read(self, n: int = -1) -> bytes:
+        n = 1 << 20 if n is None or n < 0 else n
+        self.consumed += n
+        return b"\0" * n
+
+
+def test_an_endless_stream_is_cut_off_at_the_cap(adapter, peft_adapters, blob_dir, settings):
+    settings.LORAFLEET_MAX_UPLOAD_BYTES = 5 * 1024 * 1024
+    stream = _EndlessStream()
+    with open(peft_adapters.good / "adapter_config.json", "rb") as cfg:
+        with pytest.raises(AdapterValidationError) as excinfo:
+            create_adapter_version(adapter, config_file=cfg, weights_file=stream)
+    _assert_refused(excinfo, "adapter_model.safetensors", "upload limit of 5.0 MB", blob_dir=blob_dir)
+    assert stream.consumed <= 6 * 1024 * 1024
+
+
+def test_spooling_a_large_file_keeps_memory_bounded(tmp_path):
+    import tracemalloc
+
+    class Body:
+        left = 64 * 1024 * 1024
+
+        def read(self, n):
+            n = min(n, self.left)
+            self.left -= n
+            return b"\x01" * n
+
+    with open(tmp_path / "spool", "w+b") as dest:
+        tracemalloc.start()
+        try:
+            sha, size = spool_weights(Body(), dest, max_bytes=1 << 30)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert size == 64 * 1024 * 1024
+    assert sha == hashlib.sha256(b"\x01" * size).hexdigest()
+    assert peak < 8 * 1024 * 1024, peak
+
+
+def test_a_truncated_safetensors_is_refused(adapter, peft_adapters, upload, blob_dir, tmp_path):
+    folder = tmp_path / "truncated"
+    shutil.copytree(peft_adapters.good, folder)
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(AdapterValidationError) as excinfo:
+        upload(adapter, folder)
+    assert "truncated" in str(excinfo.value)
+    _assert_refused(excinfo, excinfo.value.field, blob_dir=blob_dir)
+
+
+def test_a_huge_header_is_refused_before_it_is_read(adapter, peft_adapters, upload, blob_dir, tmp_path):
+    folder = tmp_path / "huge_header"
+    folder.mkdir()
+    shutil.copy(peft_adapters.good / "adapter_config.json", folder)
+    (folder / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{" + b" " * 1000)
+    with pytest.raises(AdapterValidationError) as excinfo:
+        upload(adapter, folder)
+    _assert_refused(excinfo, "adapter_model.safetensors", "declares 1099511627776 bytes; the limit is",
+                    blob_dir=blob_dir)
+
+
+def test_nan_weights_are_refused_naming_the_tensor(adapter, peft_adapters, upload, blob_dir):
+    with pytest.raises(AdapterValidationError) as excinfo:
+        upload(adapter, peft_adapters.nan)
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    _assert_refused(excinfo, name, f"tensor {name} contains NaN or Inf (element {3 * 8 + 5})", blob_dir=blob_dir)
+
+
+def test_a_storage_failure_half_way_leaves_no_row_and_no_partial_blob(
+    adapter, peft_adapters, upload, blob_dir, monkeypatch
+):
+    from django.core.files.storage import FileSystemStorage
+
+    def half_then_fail(self, name, content):
+        path = Path(self.path(name))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        content.seek(0)
+        path.write_bytes(content.read(1000))  # a partial object, as an interrupted write leaves
+        raise OSError("disk full")
+
+    monkeypatch.setattr(FileSystemStorage, "_save", half_then_fail)
+    with pytest.raises(BlobStorageError, match="disk full"):
+        upload(adapter, peft_adapters.good)
+    assert AdapterVersion.objects.count() == 0
+    assert stored_files(blob_dir) == []
+
+
+def test_a_failure_after_the_blob_was_written_removes_the_blob(adapter, peft_adapters, upload, blob_dir, monkeypatch):
+    import adapters.uploads
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("database went away")
+
+    monkeypatch.setattr(adapters.uploads, "activate_version", boom)
+    with pytest.raises(RuntimeError, match="database went away"):
+        upload(adapter, peft_adapters.good)
+    assert AdapterVersion.objects.count() == 0
+    assert stored_files(blob_dir) == []
+
+
+def test_a_failure_never_deletes_a_blob_another_version_uses(adapter, peft_adapters, upload, blob_dir, monkeypatch):
+    import adapters.uploads
+
+    v1 = upload(adapter, peft_adapters.good)
+    monkeypatch.setattr(adapters.uploads, "activate_version", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        upload(adapter, peft_adapters.good, activate=True)
+    assert list(AdapterVersion.objects.values_list("number", flat=True)) == [1]
+    assert stored_files(blob_dir) == [v1.storage_key]
+
+
+def test_a_corrupt_unreferenced_blob_under_the_key_is_replaced(adapter, peft_adapters, upload, blob_dir):
+    sha = _sha256(peft_adapters.good / "adapter_model.safetensors")
+    leftover = blob_dir / storage_key_for(sha)
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"half a file from a crashed upload")
+    version = upload(adapter, peft_adapters.good)
+    assert read_blob(version.storage_key) == (peft_adapters.good / "adapter_model.safetensors").read_bytes()
+
+
+def test_a_deleted_adapter_refuses_uploads(adapter, peft_adapters, upload, blob_dir):
+    from adapters.services import soft_delete_adapter
+
+    soft_delete_adapter(adapter)
+    with pytest.raises(AdapterDeleted) as excinfo:
+        upload(adapter, peft_adapters.good)
+    _assert_refused(excinfo, "adapter", "deleted", blob_dir=blob_dir)
+
+
+def test_upload_adapter_command_creates_the_adapter_and_prints_version_and_sha(
+    base, alice, peft_adapters, blob_dir
+):
+    from tenants.services import create_tenant
+
+    create_tenant("globex", "Globex", owner=alice)
+    out = io.StringIO()
+    call_command("upload_adapter", "globex", "writer", str(peft_adapters.good), "--base", "tiny", stdout=out)
+    sha = _sha256(peft_adapters.good / "adapter_model.safetensors")
+    assert "version 1" in out.getvalue() and sha in out.getvalue()
+    out = io.StringIO()
+    call_command("upload_adapter", "globex", "writer", str(peft_adapters.good_other), "--base", "tiny", stdout=out)
+    assert "version 2" in out.getvalue()
+    assert AdapterVersion.objects.filter(adapter__name="writer").count() == 2
+
+
+def test_upload_adapter_command_reports_a_refusal(base, alice, peft_adapters, blob_dir):
+    from django.core.management.base import CommandError
+
+    from tenants.services import create_tenant
+
+    create_tenant("globex", "Globex", owner=alice)
+    with pytest.raises(CommandError, match="rank 32 is over"):
+        call_command("upload_adapter", "globex", "writer", str(peft_adapters.rank_over_cap), "--base", "tiny")
+    assert stored_files(blob_dir) == []
