@@ -1,0 +1,91 @@
+"""The paged KV cache: block accounting, one pool shared by sequences of any length, and exhaustion."""
+import pytest
+import torch
+
+from inference_worker.kv_cache import BlockAllocator, OutOfBlocks, blocks_needed
+from inference_worker.model import ModelRunner, SeqStep
+
+PROMPT = [17, 120, 45, 301, 9, 77, 250, 13, 88, 402, 5, 66, 140, 233]
+
+
+def test_allocator_hands_out_distinct_blocks_and_takes_them_back():
+    alloc = BlockAllocator(10)
+    a, b = alloc.allocate(3), alloc.allocate(4)
+    assert len(set(a) | set(b)) == 7 and all(0 <= x < 10 for x in a + b)
+    assert (alloc.num_free, alloc.num_used) == (3, 7)
+    alloc.free(a)
+    assert alloc.num_free == 6
+    c = alloc.allocate(6)
+    assert set(c) >= set(a) and not set(c) & set(b)
+    assert alloc.num_free == 0
+
+
+def test_allocator_refuses_more_than_is_free_without_allocating_anything():
+    alloc = BlockAllocator(4)
+    alloc.allocate(3)
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate(2)
+    assert alloc.num_free == 1
+    assert alloc.allocate(1)
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate(1)
+
+
+def test_double_free_and_foreign_blocks_are_refused():
+    alloc = BlockAllocator(4)
+    blocks = alloc.allocate(2)
+    alloc.free(blocks)
+    with pytest.raises(ValueError):
+        alloc.free(blocks)
+    with pytest.raises(ValueError):
+        alloc.free([99])
+    assert alloc.num_free == 4
+
+
+def test_blocks_needed_rounds_up():
+    assert [blocks_needed(n, 16) for n in (0, 1, 16, 17, 32, 33)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_sequences_of_different_lengths_share_one_pool_with_interleaved_and_reused_blocks(tiny_llama):
+    runner = ModelRunner(tiny_llama, num_kv_blocks=14, block_size=4, enable_lora=False)
+    alloc = runner.kv.allocator
+    prompts = [PROMPT, PROMPT[:3], (PROMPT * 2)[:25]]
+
+    def run_alone(prompt: list[int]) -> list[torch.Tensor]:
+        blocks = alloc.allocate(blocks_needed(len(prompt) + 2, 4))
+        out = [runner.forward([SeqStep(blocks, 0, prompt, -1)])[0]]
+        out.append(runner.forward([SeqStep(blocks, len(prompt), [7], -1)])[0])
+        out.append(runner.forward([SeqStep(blocks, len(prompt) + 1, [8], -1)])[0])
+        alloc.free(blocks)
+        return out
+
+    expected = [run_alone(p) for p in prompts]
+    assert alloc.num_free == 14
+
+    # Interleaved block ids: the three sequences' blocks alternate through the pool, and the pool is
+    # full of the previous runs' stale keys, which must not leak into anyone's attention.
+    needs = [blocks_needed(len(p) + 2, 4) for p in prompts]
+    tables: list[list[int]] = [[], [], []]
+    while any(len(t) < n for t, n in zip(tables, needs)):
+        for t, n in zip(tables, needs):
+            if len(t) < n:
+                t.extend(alloc.allocate(1))
+    assert alloc.num_free == 14 - sum(needs) == 1
+    logits = runner.forward([SeqStep(t, 0, p, -1) for t, p in zip(tables, prompts)])
+    for i in range(3):
+        torch.testing.assert_close(logits[i], expected[i][0], atol=1e-4, rtol=0)
+    for k, tok in enumerate((7, 8), start=1):
+        logits = runner.forward([SeqStep(t, len(p) + k - 1, [tok], -1) for t, p in zip(tables, prompts)])
+        for i in range(3):
+            torch.testing.assert_close(logits[i], expected[i][k], atol=1e-4, rtol=0)
+
+
+def test_a_step_beyond_its_block_table_or_the_context_is_refused(tiny_llama):
+    runner = ModelRunner(tiny_llama, num_kv_blocks=8, block_size=4, enable_lora=False)
+    blocks = runner.kv.allocator.allocate(2)  # room for 8 positions
+    with pytest.raises(ValueError, match="block table"):
+        runner.forward([SeqStep(blocks, 0, PROMPT[:9], -1)])
+    with pytest.raises(ValueError, match="max_position"):
+        runner.forward([SeqStep(blocks, runner.config.max_position_embeddings, [1], -1)])
+    with pytest.raises(OutOfBlocks):
+        runner.kv.allocator.allocate(7)

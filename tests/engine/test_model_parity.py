@@ -1,0 +1,254 @@
+"""The model runner computes what Hugging Face transformers and PEFT compute, on every architecture.
+
+transformers is the oracle for the base model (logits within 1e-4 in fp32, identical greedy tokens) and
+PEFT for LoRA semantics (scaling, rsLoRA, target names). A tiny greedy loop drives the runner here; the
+engine's real scheduler is tested elsewhere.
+"""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from inference_worker.lora import peft_scale
+from inference_worker.model import ModelRunner, SeqStep
+from inference_worker.peft_factory import make_random_peft_adapter
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPT = [17, 120, 45, 301, 9, 77, 250, 13, 88, 402, 5, 66, 140, 233]
+
+
+def hf_model(path):
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+class Seq:
+    """One sequence's KV blocks and position, for driving the runner by hand."""
+
+    def __init__(self, runner: ModelRunner, max_len: int, slot: int = -1) -> None:
+        self.runner, self.slot, self.pos = runner, slot, 0
+        self.blocks = runner.kv.allocator.allocate(-(-max_len // runner.block_size))
+
+    def step(self, tokens: list[int]) -> SeqStep:
+        s = SeqStep(block_table=self.blocks, start_pos=self.pos, token_ids=list(tokens), slot=self.slot)
+        self.pos += len(tokens)
+        return s
+
+    def free(self) -> None:
+        self.runner.kv.allocator.free(self.blocks)
+
+
+def greedy(runner: ModelRunner, prompt: list[int], n: int, slot: int = -1) -> list[int]:
+    """Greedy decode that stops at EOS, as `generate(do_sample=False)` does."""
+    seq = Seq(runner, len(prompt) + n, slot)
+    logits = runner.forward([seq.step(prompt)])
+    out: list[int] = []
+    for _ in range(n):
+        tok = int(logits[0].argmax())
+        out.append(tok)
+        if tok in runner.config.eos_token_ids:
+            break
+        logits = runner.forward([seq.step([tok])])
+    seq.free()
+    return out
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def load_peft_into(runner: ModelRunner, slot: int, adapter_dir) -> None:
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    runner.load_adapter_into_slot(slot, weights, rank=cfg["r"],
+                                  scale=peft_scale(cfg["lora_alpha"], cfg["r"], cfg["use_rslora"]))
+
+
+def test_prefill_and_decode_logits_match_transformers(tiny_base):
+    runner = ModelRunner(tiny_base, num_kv_blocks=32)
+    model = hf_model(tiny_base)
+    seq = Seq(runner, len(PROMPT) + 21)
+    ours = runner.forward([seq.step(PROMPT)])[0]
+    with torch.no_grad():
+        out = model(torch.tensor([PROMPT]), use_cache=True)
+    theirs, past = out.logits[0, -1], out.past_key_values
+    assert theirs.abs().max() > 1.0  # logits with real spread, so the comparison means something
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    for _ in range(20):
+        tok = int(theirs.argmax())
+        ours = runner.forward([seq.step([tok])])[0]
+        with torch.no_grad():
+            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        theirs, past = out.logits[0, -1], out.past_key_values
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_greedy_tokens_match_transformers_for_32_steps(tiny_base):
+    runner = ModelRunner(tiny_base, num_kv_blocks=32, enable_lora=False)
+    theirs = hf_greedy(hf_model(tiny_base), PROMPT, 32)
+    assert len(theirs) == 32
+    assert greedy(runner, PROMPT, 32) == theirs
+
+
+PEFT_CASES = [
+    # arch, r, alpha, rsLoRA, targets
+    ("llama", 4, 8, False, ("q_proj", "v_proj")),
+    ("llama", 64, 16, True, ALL_TARGETS),
+    ("mistral", 16, 32, False, ("o_proj", "gate_proj", "down_proj")),
+    ("mistral", 8, 8, True, ("k_proj", "up_proj")),
+    ("qwen2", 32, 64, False, ALL_TARGETS),
+    ("qwen2", 12, 16, True, ("q_proj", "k_proj", "v_proj", "o_proj")),
+]
+
+
+@pytest.mark.parametrize("arch,r,alpha,rslora,targets", PEFT_CASES,
+                         ids=[f"{c[0]}-r{c[1]}-a{c[2]}{'-rs' if c[3] else ''}-{len(c[4])}t" for c in PEFT_CASES])
+def test_peft_adapter_greedy_tokens_match_peft_generate(request, tmp_path, arch, r, alpha, rslora, targets):
+    from peft import PeftModel
+
+    base = request.getfixturevalue(f"tiny_{arch}")
+    adapter = make_random_peft_adapter(base, tmp_path / "adapter", r=r, alpha=alpha, target_modules=targets,
+                                       use_rslora=rslora, seed=r)
+    peft_model = PeftModel.from_pretrained(hf_model(base), str(adapter)).eval()
+    theirs = hf_greedy(peft_model, PROMPT, 32)
+
+    runner = ModelRunner(base, num_kv_blocks=32, max_lora_slots=4, max_lora_rank=64)
+    load_peft_into(runner, 2, adapter)
+    ours = greedy(runner, PROMPT, 32, slot=2)
+    assert ours == theirs
+    # The adapter really changes the output (a zero adapter would pass the line above vacuously).
+    assert ours != greedy(runner, PROMPT, 32, slot=-1)
+
+
+def test_chunked_prefill_gives_the_same_logits(tiny_base):
+    runner = ModelRunner(tiny_base, num_kv_blocks=32)
+    prompt = (PROMPT * 3)[:40]
+    whole = Seq(runner, 41)
+    expected = runner.forward([whole.step(prompt)])
+    chunked = Seq(runner, 41)
+    for a, b in [(0, 7), (7, 20), (20, 33), (33, 34)]:  # chunk edges off the 16-token block edges
+        runner.forward([chunked.step(prompt[a:b])])
+    got = runner.forward([chunked.step(prompt[34:])])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    # and decoding after either continues identically
+    tok = [int(expected.argmax())]
+    torch.testing.assert_close(runner.forward([chunked.step(tok)]), runner.forward([whole.step(tok)]),
+                               atol=1e-4, rtol=0)
+
+
+def test_sequences_on_different_slots_in_one_forward_equal_each_alone(tiny_llama, tmp_path):
+    runner = ModelRunner(tiny_llama, num_kv_blocks=64, max_lora_slots=4, max_lora_rank=32)
+    load_peft_into(runner, 0, make_random_peft_adapter(tiny_llama, tmp_path / "a", r=8, target_modules=ALL_TARGETS))
+    load_peft_into(runner, 3, make_random_peft_adapter(tiny_llama, tmp_path / "b", r=32, alpha=8, seed=5,
+                                                       target_modules=("q_proj", "down_proj")))
+    prompts = {0: PROMPT[:9], 3: PROMPT[3:], -1: PROMPT[::-1]}
+
+    def history(slot: int, together: bool) -> list[torch.Tensor]:
+        """Prefill then 3 decode tokens (fixed ids), logits of every step."""
+        seq = Seq(runner, 32, slot)
+        steps = [seq.step(prompts[slot])] + [seq.step([t]) for t in (11, 22, 33)]
+        return seq, steps
+
+    alone = {}
+    for slot in prompts:
+        seq, steps = history(slot, False)
+        alone[slot] = [runner.forward([s])[0] for s in steps]
+        seq.free()
+
+    # Together: slot 0 and 3 start decoding while slot -1 is still prefilling (mixed prefill + decode).
+    seqs = {slot: history(slot, True) for slot in prompts}
+    plan = [[(0, 0), (3, 0)], [(0, 1), (3, 1), (-1, 0)], [(3, 2), (-1, 1), (0, 2)], [(-1, 2), (0, 3), (3, 3)],
+            [(-1, 3)]]
+    for batch in plan:
+        logits = runner.forward([seqs[slot][1][i] for slot, i in batch])
+        for row, (slot, i) in enumerate(batch):
+            torch.testing.assert_close(logits[row], alone[slot][i], atol=1e-4, rtol=0)
+    assert not torch.allclose(alone[0][0], alone[-1][0])
+
+
+def test_base_tokens_on_an_adapter_runner_equal_a_lora_free_runner(tiny_qwen2, tmp_path):
+    with_lora = ModelRunner(tiny_qwen2, num_kv_blocks=16)
+    load_peft_into(with_lora, 1, make_random_peft_adapter(tiny_qwen2, tmp_path / "a", target_modules=ALL_TARGETS))
+    without = ModelRunner(tiny_qwen2, num_kv_blocks=16, enable_lora=False)
+    assert greedy(with_lora, PROMPT, 16) == greedy(without, PROMPT, 16)
+    with pytest.raises(RuntimeError):
+        without.load_adapter_into_slot(0, {}, rank=8, scale=1.0)
+
+
+def test_bad_adapters_are_refused_and_leave_the_slot_untouched(tiny_llama, tmp_path):
+    runner = ModelRunner(tiny_llama, num_kv_blocks=16, max_lora_slots=2, max_lora_rank=16)
+    adapter = make_random_peft_adapter(tiny_llama, tmp_path / "a", r=8)
+    load_peft_into(runner, 0, adapter)
+    before = greedy(runner, PROMPT, 8, slot=0)
+    good = load_file(str(adapter / "adapter_model.safetensors"))
+    name = next(k for k in good if "lora_A" in k)
+    bad_cases = [
+        {**good, name: torch.zeros(8, 65)},  # wrong d_in
+        {k: v for k, v in good.items() if k != name},  # A without B
+        {**good, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)},  # not a target projection
+        {**good, name.replace("layers.0", "layers.7"): good[name]},  # layer the base does not have
+    ]
+    for bad in bad_cases:
+        with pytest.raises(ValueError):
+            runner.load_adapter_into_slot(0, bad, rank=8, scale=2.0)
+    with pytest.raises(ValueError):
+        runner.load_adapter_into_slot(0, good, rank=32, scale=2.0)  # over max_lora_rank
+    assert greedy(runner, PROMPT, 8, slot=0) == before
+    runner.clear_slot(0)
+    with pytest.raises(ValueError, match="empty"):
+        runner.forward([Seq(runner, 16, slot=0).step(PROMPT)])
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "rope_theta": 5000.0, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+], ids=["linear", "llama3"])
+def test_rope_scaling_matches_transformers(tiny_llama, tmp_path, rope):
+    path = tmp_path / "scaled"
+    shutil.copytree(tiny_llama, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"] = rope
+    (path / "config.json").write_text(json.dumps(cfg))
+    runner = ModelRunner(path, num_kv_blocks=32, enable_lora=False)
+    prompt = (PROMPT * 10)[:120]  # positions far enough for low frequencies to matter
+    ours = runner.forward([Seq(runner, 120).step(prompt)])[0]
+    with torch.no_grad():
+        theirs = hf_model(path)(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_unsupported_rope_scaling_is_a_clear_error(tiny_llama, tmp_path):
+    path = tmp_path / "yarn"
+    shutil.copytree(tiny_llama, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="yarn"):
+        ModelRunner(path)
+
+
+def test_mistral_sliding_window_matches_transformers(tiny_mistral, tmp_path):
+    path = tmp_path / "windowed"
+    shutil.copytree(tiny_mistral, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["sliding_window"] = 8
+    (path / "config.json").write_text(json.dumps(cfg))
+    runner = ModelRunner(path, num_kv_blocks=32, enable_lora=False)
+    model = hf_model(path)
+    prompt = (PROMPT * 3)[:30]
+    seq = Seq(runner, 40)
+    runner.forward([seq.step(prompt[:12])])
+    ours = runner.forward([seq.step(prompt[12:])])[0]  # a chunk that starts past the window
+    with torch.no_grad():
+        theirs = model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    ours = runner.forward([seq.step([5])])[0]  # and a decode step
+    with torch.no_grad():
+        theirs = model(torch.tensor([prompt + [5]])).logits[0, -1]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
