@@ -1,8 +1,15 @@
 from django.contrib import admin
 from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
+
+from gateway.metrics import metrics_view
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("v1/", include("gateway.urls")),  # OpenAI-compatible inference API
+    path("metrics", metrics_view, name="metrics"),  # Prometheus
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularRedocView.as_view(url_name="schema"), name="api-docs"),
     path("", include("tenants.urls")),  # dashboard: login, tenant switcher, keys, members
     path("", include("adapters.urls")),  # dashboard: adapters, versions, usage, audit, capacity
 ]

@@ -1,0 +1,61 @@
+"""Prompts as the worker will see them: the chat template applied, and the context length checked
+before anything is enqueued (a prompt that cannot fit is the caller's 400, not a worker's job).
+
+The web process loads only the base's tokenizer (small, CPU, cached per base and checkpoint hash),
+never its weights. The worker tokenizes the same way (`encode(text, add_special_tokens=True)`).
+"""
+from __future__ import annotations
+
+import threading
+
+from transformers import AutoTokenizer
+
+from .errors import ApiError, invalid
+from .params import GenerationParams
+
+_lock = threading.Lock()
+_tokenizers: dict[tuple[str, str], object] = {}
+
+
+def tokenizer_for(base):
+    key = (base.checkpoint_path, base.sha256)
+    tokenizer = _tokenizers.get(key)
+    if tokenizer is None:
+        with _lock:
+            tokenizer = _tokenizers.get(key)
+            if tokenizer is None:
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(base.checkpoint_path)
+                except (OSError, ValueError) as exc:
+                    raise ApiError(500, "base_model_unavailable",
+                                   f"The tokenizer of base model {base.slug!r} cannot be loaded here.",
+                                   type="server_error") from exc
+                _tokenizers[key] = tokenizer
+    return tokenizer
+
+
+def chat_prompt(base, messages: list[dict[str, str]]) -> str:
+    tokenizer = tokenizer_for(base)
+    if not getattr(tokenizer, "chat_template", None):
+        raise invalid(f"The base model {base.slug!r} has no chat template; use /v1/completions.",
+                      param="messages", code="chat_not_supported")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def count_and_check(base, params: GenerationParams, *, param: str) -> int:
+    """Number of prompt tokens; 400 `context_length_exceeded` when prompt + max_tokens cannot fit."""
+    if params.prompt_token_ids is not None:
+        n = len(params.prompt_token_ids)
+        vocab = int(base.shape_manifest.get("vocab_size") or 0)
+        if vocab and any(t >= vocab for t in params.prompt_token_ids):
+            raise invalid(f"Prompt token ids must be below the vocabulary size {vocab}.", param=param)
+    else:
+        n = len(tokenizer_for(base).encode(params.prompt, add_special_tokens=True))
+    context = int(base.shape_manifest.get("max_position_embeddings") or 0)
+    if context and n + params.max_tokens > context:
+        raise invalid(
+            f"This model's context is {context} tokens; the prompt has {n} and max_tokens asks for "
+            f"{params.max_tokens} more. Shorten the prompt or lower max_tokens.",
+            param=param, code="context_length_exceeded",
+        )
+    return n

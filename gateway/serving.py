@@ -1,0 +1,258 @@
+"""The request path of /v1/completions and /v1/chat/completions (DESIGN.md "Request path").
+
+    authenticate -> rate limits -> parse -> bind the adapter -> build and measure the prompt
+      -> pending audit row (committed) -> publish on the base's queue (on commit)
+      -> wait for the worker's reply (or stream it) -> finalise the audit row once -> answer
+
+Every exit, success or failure, leaves exactly one audit row (see gateway/audit.py), counts in
+/metrics, and carries the request id in `X-Lorafleet-Request-Id`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+
+from inference_worker.jobs import AdapterRef, GenerationJob, GenerationResult
+
+from . import audit, metrics
+from .auth import KeyRefused, authenticate
+from .binding import Target, resolve_target
+from .errors import ApiError, from_worker, queue_unavailable, timed_out
+from .limits import TenantSlot
+from .params import GenerationParams, parse_chat, parse_completion, parse_json_body
+from .prompts import chat_prompt, count_and_check
+from .queue import QueueUnavailable, ReplyTimeout, get_dispatcher
+from .responses import Shapes, metadata, metadata_headers, sse
+
+log = logging.getLogger(__name__)
+
+
+def serve(request, *, route: str, chat: bool) -> HttpResponse:
+    draft = audit.AuditDraft(route=route)
+    slot: TenantSlot | None = None
+    streaming = False
+    metrics.IN_FLIGHT.inc()
+    try:
+        try:
+            key = authenticate(request)
+            draft.tenant, draft.key_prefix = key.tenant, key.prefix
+            slot = TenantSlot(key.tenant).__enter__()
+            params = (parse_chat if chat else parse_completion)(parse_json_body(request.body))
+            draft.target = target = resolve_target(key, params.model)
+            if chat:
+                params.prompt = chat_prompt(target.base, params.messages)
+            draft.prompt_text = params.prompt if params.prompt is not None else repr(params.prompt_token_ids)
+            count_and_check(target.base, params, param="messages" if chat else "prompt")
+            response = _enqueue_and_answer(draft, target, params, chat=chat, request=request, slot=slot)
+            streaming = isinstance(response, StreamingHttpResponse)
+            return response
+        except KeyRefused as err:
+            if err.key is not None:  # 401 after the key row was found (revoked/expired): on the record
+                draft.tenant, draft.key_prefix = err.key.tenant, err.key.prefix
+                audit.record_refusal(draft, http_status=err.status, error_code=err.code,
+                                     error_message=f"{err.reason}: {err.message}")
+            return _error(draft, err)
+        except ApiError as err:
+            if draft.tenant is not None and draft.record_id is None:
+                audit.record_refusal(draft, http_status=err.status, error_code=err.code, error_message=err.message)
+            return _error(draft, err)
+    finally:
+        if not streaming:  # a stream releases its slot and counts itself when it ends
+            metrics.IN_FLIGHT.dec()
+            if slot is not None:
+                slot.__exit__(None, None, None)
+
+
+def _error(draft: audit.AuditDraft, err: ApiError, meta: dict | None = None) -> HttpResponse:
+    response = err.response(metadata_headers(meta) if meta else {"X-Lorafleet-Request-Id": str(draft.request_id)})
+    metrics.observe(draft.route, err.status, _tenant_label(draft), draft.elapsed())
+    return response
+
+
+def _tenant_label(draft: audit.AuditDraft) -> str:
+    return draft.tenant.slug if draft.tenant is not None else "-"
+
+
+def request_timeout(request) -> float:
+    """The server's limit, or less if the caller asks (`X-Lorafleet-Timeout: <seconds>`)."""
+    limit = float(settings.LORAFLEET_REQUEST_TIMEOUT_S)
+    asked = request.META.get("HTTP_X_LORAFLEET_TIMEOUT")
+    if asked:
+        try:
+            value = float(asked)
+        except ValueError:
+            raise ApiError(400, "invalid_parameter", "X-Lorafleet-Timeout must be a number of seconds.",
+                           param="X-Lorafleet-Timeout") from None
+        if value > 0:
+            limit = min(limit, value)
+    return limit
+
+
+def build_job(draft: audit.AuditDraft, target: Target, params: GenerationParams) -> GenerationJob:
+    adapter = None
+    if target.adapter is not None:
+        v = target.version
+        adapter = AdapterRef(version_id=v.pk, sha256=v.sha256, storage_key=v.storage_key, rank=v.rank,
+                             alpha=v.alpha, use_rslora=v.use_rslora, target_modules=list(v.target_modules),
+                             name=f"{target.adapter.name}@{v.number}")
+    return GenerationJob(
+        request_id=str(draft.request_id), adapter=adapter, prompt=params.prompt,
+        prompt_token_ids=params.prompt_token_ids, max_tokens=params.max_tokens, temperature=params.temperature,
+        top_p=params.top_p, top_k=params.top_k, seed=params.seed, stop=list(params.stop),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat: bool, request, slot) -> HttpResponse:
+    timeout = request_timeout(request)
+    job = build_job(draft, target, params)
+    meta = {
+        "stream": params.stream,
+        "deadline": time.time() + timeout,
+        "base_slug": target.base.slug,
+        "base_sha256": target.base.sha256,
+        "max_attempts": int(getattr(settings, "LORAFLEET_MAX_ATTEMPTS", 3)),
+    }
+    dispatcher = get_dispatcher()
+    published: list[Exception] = []
+
+    def publish() -> None:
+        try:
+            dispatcher.publish(job, meta, queue=target.base.queue_name, expires_s=timeout)
+            metrics.ENQUEUED.labels(base=target.base.slug).inc()
+        except QueueUnavailable as exc:
+            published.append(exc)
+
+    # The job is published only once its pending audit row is committed: no answer without a record.
+    with transaction.atomic():
+        audit.open_pending(draft)
+        transaction.on_commit(publish)
+    if published:
+        err = queue_unavailable()
+        audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=str(published[0]))
+        return _error(draft, err)
+    if not connection.in_atomic_block:
+        connection.close()  # do not hold a database connection while waiting on a worker
+
+    deadline = time.monotonic() + timeout
+    events = dispatcher.events(str(draft.request_id), deadline)
+    shapes = Shapes(chat=chat, request_id=draft.request_id, model=target.model_id)
+    try:
+        first = next(events)
+    except (ReplyTimeout, StopIteration):
+        return _fail_waiting(draft, dispatcher, timed_out(timeout))
+    except QueueUnavailable as exc:
+        return _fail_waiting(draft, dispatcher, queue_unavailable("lost the reply channel"), detail=str(exc))
+
+    if first["type"] == "final":
+        result = GenerationResult.from_dict(first["result"])
+        worker_id, attempts = first.get("worker_id", ""), first.get("attempts")
+        err = _result_error(target, result)
+        meta_out = metadata(draft.request_id, target, weights_sha256=result.adapter_sha256, worker_id=worker_id)
+        if err is not None:
+            audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=err.message,
+                           result=result, worker_id=worker_id, attempts=attempts)
+            return _error(draft, err, meta_out)
+        if not params.stream:
+            audit.finalise(draft, ok=True, http_status=200, result=result, worker_id=worker_id, attempts=attempts)
+            response = JsonResponse(shapes.full(result, meta_out))
+            for name, value in metadata_headers(meta_out).items():
+                response[name] = value
+            metrics.observe(draft.route, 200, _tenant_label(draft), draft.elapsed())
+            return response
+    stream = _stream(draft, target, params, shapes, first, events, dispatcher, slot)
+    head = metadata(draft.request_id, target, weights_sha256=first.get("adapter_sha256"),
+                    worker_id=first.get("worker_id"))
+    if first["type"] == "final":
+        head["weights_sha256"] = first["result"].get("adapter_sha256")
+    response = StreamingHttpResponse(stream, content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    for name, value in metadata_headers(head).items():
+        response[name] = value
+    return response
+
+
+def _result_error(target: Target, result: GenerationResult) -> ApiError | None:
+    if not result.ok:
+        return from_worker(result.error_code, result.error_message)
+    if target.adapter is not None and result.adapter_sha256 != target.version.sha256:
+        # The worker must only ever serve the exact weights asked for; never pass off others as them.
+        return from_worker("adapter_integrity_error",
+                           f"the worker served weights {result.adapter_sha256!r}, not the version's {target.version.sha256}")
+    return None
+
+
+def _fail_waiting(draft, dispatcher, err: ApiError, detail: str = "") -> HttpResponse:
+    dispatcher.cancel(str(draft.request_id))  # a worker that has not started it yet will drop it
+    audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=detail or err.message)
+    return _error(draft, err)
+
+
+def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatcher, slot):
+    """SSE body: the first and last chunks carry the lorafleet object; then [DONE]."""
+    finalised = False
+    status = 200
+    try:
+        event, is_first, sent = first, True, ""
+        while True:
+            if event["type"] == "delta":
+                meta = metadata(draft.request_id, target, weights_sha256=event.get("adapter_sha256"),
+                                worker_id=event.get("worker_id")) if is_first else None
+                sent += event["text"]
+                yield sse(shapes.chunk(event["text"], first=is_first, meta=meta))
+                is_first = False
+            else:
+                result = GenerationResult.from_dict(event["result"])
+                worker_id, attempts = event.get("worker_id", ""), event.get("attempts")
+                meta = metadata(draft.request_id, target, weights_sha256=result.adapter_sha256, worker_id=worker_id)
+                err = _result_error(target, result)
+                if err is not None:
+                    finalised = audit.finalise(draft, ok=False, http_status=200, error_code=err.code,
+                                               error_message=err.message, result=result, worker_id=worker_id,
+                                               attempts=attempts) or True
+                    status = err.status
+                    yield sse({**err.body(), "lorafleet": meta})
+                    return
+                rest = result.text[len(sent):] if result.text.startswith(sent) else ""
+                if rest or is_first:
+                    yield sse(shapes.chunk(rest, first=is_first, meta=meta if is_first else None))
+                finalised = audit.finalise(draft, ok=True, http_status=200, result=result, worker_id=worker_id,
+                                           attempts=attempts) or True
+                yield sse(shapes.chunk("", finish_reason=result.finish_reason, meta=meta))
+                if params.include_usage:
+                    yield sse(shapes.usage_chunk(result))
+                yield sse("[DONE]")
+                return
+            try:
+                event = next(events)
+            except (ReplyTimeout, StopIteration):
+                err = timed_out(request_timeout_of(draft))
+                break
+            except QueueUnavailable:
+                err = queue_unavailable("lost the reply channel")
+                break
+        # the stream broke after it started: say so in-band, the status line has already gone out
+        dispatcher.cancel(str(draft.request_id))
+        finalised = audit.finalise(draft, ok=False, http_status=200, error_code=err.code,
+                                   error_message=err.message) or True
+        status = err.status
+        yield sse(err.body())
+    finally:
+        if not finalised:  # the client went away mid-stream
+            dispatcher.cancel(str(draft.request_id))
+            audit.finalise(draft, ok=False, http_status=200, error_code="client_disconnected",
+                           error_message="the client closed the connection before the answer ended")
+            status = 499
+        metrics.observe(draft.route, status, _tenant_label(draft), draft.elapsed())
+        metrics.IN_FLIGHT.dec()
+        if slot is not None:
+            slot.__exit__(None, None, None)
+
+
+def request_timeout_of(draft) -> float:
+    return draft.elapsed()

@@ -1,0 +1,104 @@
+"""The OpenAI-compatible API under /v1/. Thin: serving.py holds the request path, binding.py the rules."""
+from __future__ import annotations
+
+from django.http import JsonResponse
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework.views import APIView
+
+from adapters.models import Adapter, BaseModel
+
+from . import serializers as s
+from .auth import KeyRefused, authenticate
+from .binding import BASE_PREFIX, resolve_target
+from .errors import ApiError
+from .serving import serve
+
+_ERRORS = {code: OpenApiResponse(s.ErrorResponse) for code in (400, 401, 403, 404, 409, 410, 429, 502, 503, 504)}
+_SECURITY = [{"bearerAuth": []}]
+
+
+class OpenAIView(APIView):
+    """No DRF authentication or parsing: the key and the body are checked by gateway code that answers
+    every refusal in OpenAI's error shape."""
+
+    authentication_classes: list = []
+    permission_classes: list = []
+    parser_classes: list = []
+
+
+class CompletionsView(OpenAIView):
+    @extend_schema(
+        operation_id="create_completion", request=s.CompletionRequest, responses={200: s.CompletionResponse, **_ERRORS},
+        description="Text completion with one of your adapters. `stream: true` answers with server-sent events.",
+    )
+    def post(self, request):
+        return serve(request._request, route="completions", chat=False)
+
+
+class ChatCompletionsView(OpenAIView):
+    @extend_schema(
+        operation_id="create_chat_completion", request=s.ChatRequest, responses={200: s.ChatResponse, **_ERRORS},
+        description="Chat completion; messages are rendered with the base model's chat template.",
+    )
+    def post(self, request):
+        return serve(request._request, route="chat.completions", chat=True)
+
+
+def _adapter_entry(adapter: Adapter) -> dict:
+    version = adapter.active_version
+    return {
+        "id": adapter.name, "object": "model", "created": int(adapter.created_at.timestamp()),
+        "owned_by": adapter.tenant.slug,
+        "lorafleet": {
+            "kind": "adapter", "base_model": adapter.base.slug,
+            "active_version": version.number if version else None,
+            "weights_sha256": version.sha256 if version else None,
+        },
+    }
+
+
+def _base_entry(base: BaseModel) -> dict:
+    return {"id": BASE_PREFIX + base.slug, "object": "model", "created": int(base.created_at.timestamp()),
+            "owned_by": "lorafleet", "lorafleet": {"kind": "base", "base_model": base.slug, "base_sha256": base.sha256}}
+
+
+def _authenticated(request):
+    try:
+        return authenticate(request._request), None
+    except KeyRefused as err:
+        return None, err.response()
+
+
+class ModelsView(OpenAIView):
+    @extend_schema(operation_id="list_models", responses={200: s.ModelList, 401: OpenApiResponse(s.ErrorResponse)})
+    def get(self, request):
+        """Your adapters (a bound key sees only its own) and, if your organisation may use it, the base."""
+        key, refusal = _authenticated(request)
+        if refusal is not None:
+            return refusal
+        adapters = Adapter.objects.for_tenant(key.tenant).live().select_related("tenant", "base", "active_version")
+        if key.bound_adapter_id is not None:
+            adapters = adapters.filter(pk=key.bound_adapter_id)
+        data = [_adapter_entry(a) for a in adapters]
+        if key.tenant.may_use_base and key.bound_adapter_id is None:
+            data += [_base_entry(b) for b in BaseModel.objects.all()]
+        return JsonResponse({"object": "list", "data": data})
+
+
+class ModelDetailView(OpenAIView):
+    @extend_schema(operation_id="retrieve_model", responses={200: s.ModelEntry, **_ERRORS},
+                   parameters=[OpenApiParameter("model", str, OpenApiParameter.PATH)])
+    def get(self, request, model: str):
+        key, refusal = _authenticated(request)
+        if refusal is not None:
+            return refusal
+        try:
+            target = resolve_target(key, model)
+        except ApiError as err:
+            return err.response()
+        if target.adapter is None:
+            return JsonResponse(_base_entry(target.base))
+        entry = _adapter_entry(target.adapter)
+        entry["id"] = model
+        entry["lorafleet"].update(version=target.version.number, weights_sha256=target.version.sha256)
+        return JsonResponse(entry)

@@ -1,0 +1,59 @@
+"""`manage.py run_worker --base SLUG`: one Celery worker process for one base model.
+
+Loads the base once into the process-wide engine, starts the Prometheus exporter and the heartbeat,
+then runs a Celery worker on the base's queue with the *threads* pool (`-P threads -c N`): every
+task thread hands its job to the one engine, which batches them. Never prefork: each child would
+load its own copy of the base.
+"""
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+from django.db import connections
+
+from adapters.models import BaseModel
+from inference_worker import worker
+
+
+class Command(BaseCommand):
+    help = "Run an inference worker for one base model (Celery threads pool around one engine)."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--base", required=True, help="slug of a registered base model")
+        parser.add_argument("--concurrency", "-c", type=int, default=settings.LORAFLEET_WORKER_CONCURRENCY,
+                            help="task threads = most requests one engine runs at once (default %(default)s)")
+        parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+        parser.add_argument("--metrics-port", type=int, default=9100,
+                            help="Prometheus exporter port; 0 picks a free one (default %(default)s)")
+        parser.add_argument("--metrics-addr", default="127.0.0.1")
+        parser.add_argument("--max-lora-slots", type=int, default=8)
+        parser.add_argument("--loglevel", default="INFO")
+
+    def handle(self, *args, **opts) -> None:
+        base = BaseModel.objects.filter(slug=opts["base"]).first()
+        if base is None:
+            known = ", ".join(BaseModel.objects.values_list("slug", flat=True)) or "none registered"
+            raise CommandError(f"No base model {opts['base']!r} (known: {known}).")
+        if not base.checkpoint_path:
+            raise CommandError(f"Base model {base.slug!r} has no local checkpoint_path.")
+        if opts["concurrency"] < 1:
+            raise CommandError("--concurrency must be at least 1.")
+        runtime = worker.build_runtime(
+            base_slug=base.slug, base_sha256=base.sha256, queue=base.queue_name, checkpoint_path=base.checkpoint_path,
+            device=opts["device"], concurrency=opts["concurrency"], max_lora_slots=opts["max_lora_slots"],
+            max_lora_rank=base.max_lora_rank,
+        )
+        port = worker.start_metrics_server(runtime, opts["metrics_port"], opts["metrics_addr"])
+        worker.start_heartbeat(runtime)
+        connections.close_all()  # the hot path never touches the database
+        self.stdout.write(f"worker {runtime.worker_id}: queue {base.queue_name}, {opts['concurrency']} threads, "
+                          f"metrics on http://{opts['metrics_addr']}:{port}/metrics", ending="\n")
+        self.stdout.flush()
+
+        from config.celery_app import app
+
+        app.worker_main([
+            "worker", "--queues", base.queue_name, "--pool", "threads", "--concurrency", str(opts["concurrency"]),
+            "--hostname", runtime.worker_id, "--loglevel", opts["loglevel"],
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ])

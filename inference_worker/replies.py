@@ -1,0 +1,206 @@
+"""The reply channel between a worker and the web process waiting on one request.
+
+The Celery message carries the job (inference_worker.jobs); this module carries everything back, and
+is the whole contract between gateway and worker besides the message itself. Events, in order:
+
+    {"type": "delta", "text": "...", "worker_id": ..., "adapter_sha256": ...}   (streamed requests only)
+    {"type": "final", "result": GenerationResult.to_dict(), "worker_id": ..., "attempts": n}
+
+Redis (when the broker is Redis): events are RPUSHed onto `lorafleet:reply:<request_id>` and the web
+BLPOPs them. A list rather than pub/sub on purpose: pub/sub drops a message published before the
+subscriber is attached (a fast worker can beat the web's SUBSCRIBE) and has no backlog if the web
+stalls; a list keeps every event until it is read, in order, and expires on its own if nobody reads.
+Filesystem (the embedded default): events are appended as JSON lines to a file under var/ that the
+web polls; streaming works the same way, at the polling interval (50 ms).
+
+Also here, because both sides need them: the per-request attempt counter (the poison-request cap),
+the cancel flag (the web gave up: do not start the job), and worker heartbeats (worker_status).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+REPLY_TTL_S = 600
+ATTEMPTS_TTL_S = 24 * 3600
+POLL_S = 0.05
+
+
+class ChannelUnavailable(RuntimeError):
+    """The reply store (Redis) cannot be reached."""
+
+
+class ReplyTimeout(TimeoutError):
+    """No (further) event arrived before the deadline."""
+
+
+class RedisChannel:
+    def __init__(self, url: str):
+        import redis
+
+        self.url = url
+        # Short connect timeout: a dead Redis must turn into a fast 503, never a hang. Blocking reads
+        # use BLPOP slices of at most 1 s, well inside socket_timeout.
+        self._redis = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=5, health_check_interval=15)
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except self._errors as exc:
+            raise ChannelUnavailable(str(exc)) from exc
+
+    # worker side
+    def push(self, request_id: str, event: dict) -> None:
+        key = f"lorafleet:reply:{request_id}"
+        pipe = self._redis.pipeline()
+        pipe.rpush(key, json.dumps(event))
+        pipe.expire(key, REPLY_TTL_S)
+        self._call(pipe.execute)
+
+    def count_attempt(self, request_id: str) -> int:
+        key = f"lorafleet:attempts:{request_id}"
+        pipe = self._redis.pipeline()
+        pipe.incr(key)
+        pipe.expire(key, ATTEMPTS_TTL_S)
+        return int(self._call(pipe.execute)[0])
+
+    def attempts(self, request_id: str) -> int:
+        return int(self._call(self._redis.get, f"lorafleet:attempts:{request_id}") or 0)
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return bool(self._call(self._redis.exists, f"lorafleet:cancel:{request_id}"))
+
+    def heartbeat(self, worker_id: str, status: dict, ttl_s: int) -> None:
+        self._call(self._redis.set, f"lorafleet:worker:{worker_id}", json.dumps(status), ex=ttl_s)
+
+    def live_workers(self) -> list[dict]:
+        keys = sorted(self._call(lambda: list(self._redis.scan_iter("lorafleet:worker:*", count=500))))
+        values = self._call(self._redis.mget, keys) if keys else []
+        return [json.loads(v) for v in values if v]
+
+    # web side
+    def cancel(self, request_id: str) -> None:
+        self._call(self._redis.set, f"lorafleet:cancel:{request_id}", b"1", ex=REPLY_TTL_S)
+
+    def events(self, request_id: str, deadline: float) -> Iterator[dict]:
+        """Yield events until the final one; raise ReplyTimeout at `deadline` (time.monotonic())."""
+        key = f"lorafleet:reply:{request_id}"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ReplyTimeout(request_id)
+            got = self._call(self._redis.blpop, [key], timeout=max(0.05, min(1.0, remaining)))
+            if got is None:
+                continue
+            event = json.loads(got[1])
+            yield event
+            if event.get("type") == "final":
+                self._call(self._redis.delete, key)
+                return
+
+
+class FileChannel:
+    """The embedded default: JSON lines under var/celery/replies (one web and one worker host)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        (self.folder / "workers").mkdir(parents=True, exist_ok=True)
+
+    def _path(self, kind: str, request_id: str) -> Path:
+        safe = "".join(c for c in request_id if c.isalnum() or c == "-")
+        return self.folder / f"{safe}.{kind}"
+
+    def push(self, request_id: str, event: dict) -> None:
+        line = (json.dumps(event) + "\n").encode()
+        fd = os.open(self._path("jsonl", request_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, line)  # one write per line: readers never see half a line followed by another
+        finally:
+            os.close(fd)
+
+    def count_attempt(self, request_id: str) -> int:
+        path = self._path("attempts", request_id)
+        n = self.attempts(request_id) + 1
+        path.write_text(str(n))
+        return n
+
+    def attempts(self, request_id: str) -> int:
+        try:
+            return int(self._path("attempts", request_id).read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return self._path("cancel", request_id).exists()
+
+    def heartbeat(self, worker_id: str, status: dict, ttl_s: int) -> None:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in worker_id)
+        tmp = self.folder / "workers" / f".{safe}.tmp"
+        tmp.write_text(json.dumps({**status, "_expires": time.time() + ttl_s}))
+        tmp.replace(self.folder / "workers" / f"{safe}.json")
+
+    def live_workers(self) -> list[dict]:
+        out = []
+        for path in sorted((self.folder / "workers").glob("*.json")):
+            try:
+                status = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if status.pop("_expires", 0) > time.time():
+                out.append(status)
+        return out
+
+    def cancel(self, request_id: str) -> None:
+        self._path("cancel", request_id).touch()
+
+    def events(self, request_id: str, deadline: float) -> Iterator[dict]:
+        path = self._path("jsonl", request_id)
+        offset, pending = 0, b""
+        while True:
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(offset)
+                    chunk = fh.read()
+            except FileNotFoundError:
+                chunk = b""
+            offset += len(chunk)
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                event = json.loads(line)
+                yield event
+                if event.get("type") == "final":
+                    for kind in ("jsonl", "attempts", "cancel"):
+                        self._path(kind, request_id).unlink(missing_ok=True)
+                    return
+            if not lines:
+                if time.monotonic() >= deadline:
+                    raise ReplyTimeout(request_id)
+                time.sleep(POLL_S)
+
+
+_channel = None
+
+
+def reply_channel():
+    """The process-wide channel for this deployment: Redis when the broker is Redis, else files."""
+    global _channel
+    if _channel is None:
+        from django.conf import settings
+
+        url = getattr(settings, "LORAFLEET_REPLY_URL", "") or settings.CELERY_BROKER_URL
+        if url.startswith(("redis://", "rediss://", "unix://")):
+            _channel = RedisChannel(url)
+        else:
+            _channel = FileChannel(Path(settings.VAR_DIR) / "celery" / "replies")
+    return _channel
+
+
+def reset_channel() -> None:
+    """Forget the cached channel (tests that change settings)."""
+    global _channel
+    _channel = None

@@ -1,0 +1,89 @@
+"""The Celery task that carries one request from the queue to the engine and its answer back.
+
+Delivery guarantees (settings: acks_late, reject_on_worker_lost; the message is acknowledged only
+when this function returns):
+- A worker that dies mid-request leaves the message unacknowledged; the broker redelivers it.
+- Each delivery counts an attempt (inference_worker.replies, keyed by request id). Past
+  `max_attempts` the job is not run again: it is answered `worker_lost`, so a request that kills
+  workers ends as a recorded failure instead of looping through the fleet.
+- A job whose caller has given up (deadline passed or cancelled) is answered without being run.
+- Whatever happens inside, exactly one `final` event is pushed: the web never waits for nothing.
+
+No database here: the message carries everything (jobs.GenerationJob and the `meta` dict).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from celery import shared_task
+
+from .jobs import GenerationJob, GenerationResult
+
+log = logging.getLogger(__name__)
+
+CANCEL_CHECK_S = 0.5
+GRACE_S = 2.0
+
+
+def _error(job: GenerationJob, code: str, message: str) -> GenerationResult:
+    return GenerationResult(request_id=job.request_id, status="error", error_code=code, error_message=message)
+
+
+@shared_task(name="lorafleet.generate", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def generate(self, job_dict: dict, meta: dict) -> None:
+    from .replies import reply_channel
+    from .worker import get_runtime
+
+    job = GenerationJob.from_dict(job_dict)
+    channel = reply_channel()
+    runtime = get_runtime()
+    attempts = channel.count_attempt(job.request_id)
+
+    def final(result: GenerationResult, outcome: str) -> None:
+        runtime.count(outcome)
+        channel.push(job.request_id, {"type": "final", "result": result.to_dict(), "worker_id": runtime.worker_id,
+                                      "attempts": attempts})
+
+    max_attempts = int(meta.get("max_attempts", 3))
+    if attempts > max_attempts:
+        log.error("request %s: attempt %d > %d, not running it again", job.request_id, attempts, max_attempts)
+        return final(_error(job, "worker_lost", f"the request was attempted {attempts - 1} times and each time the "
+                                                f"worker running it died; it will not be retried"), "worker_lost")
+    deadline = float(meta.get("deadline") or time.time() + 60)
+    if time.time() >= deadline or channel.is_cancelled(job.request_id):
+        return final(_error(job, "cancelled", "the caller stopped waiting before a worker started this job"),
+                     "skipped")
+    if meta.get("base_sha256") and meta["base_sha256"] != runtime.base_sha256:
+        return final(_error(job, "base_mismatch", f"this worker serves base {runtime.base_slug} "
+                                                  f"({runtime.base_sha256[:12]}), not {meta['base_sha256'][:12]}"),
+                     "base_mismatch")
+    if job.adapter is not None:
+        runtime.adapter_names[job.adapter.sha256] = job.adapter.name
+    try:
+        result = _run(job, meta, runtime, channel, deadline)
+    except Exception as exc:  # never leave the web waiting for nothing
+        log.exception("request %s failed in the worker", job.request_id)
+        result = _error(job, "internal_error", f"the worker failed: {type(exc).__name__}")
+    final(result, "ok" if result.ok else (result.error_code or "error"))
+
+
+def _run(job: GenerationJob, meta: dict, runtime, channel, deadline: float) -> GenerationResult:
+    handle = runtime.engine.submit(job)
+    timeout = max(0.1, deadline - time.time() + GRACE_S)
+    try:
+        if meta.get("stream"):
+            verified = job.adapter.sha256 if job.adapter is not None else None
+            checked = time.monotonic()
+            # A token exists only once the adapter was loaded and its sha256 verified against the job's.
+            for delta in handle.stream(timeout=timeout):
+                channel.push(job.request_id, {"type": "delta", "text": delta, "worker_id": runtime.worker_id,
+                                              "adapter_sha256": verified})
+                if time.monotonic() - checked > CANCEL_CHECK_S:
+                    checked = time.monotonic()
+                    if channel.is_cancelled(job.request_id) or time.time() > deadline + GRACE_S:
+                        handle.cancel()
+        return handle.result(timeout=max(0.1, deadline - time.time() + GRACE_S))
+    except TimeoutError:
+        handle.cancel()
+        return _error(job, "timeout", "the worker could not finish this request before its deadline")
