@@ -1,0 +1,338 @@
+"""Adapters on their way from storage to a device slot: verify, parse, keep hot, pin while in use.
+
+    loader(storage_key) -> bytes      (injected: Django storage, a dict, a folder)
+      -> sha256 == job's AdapterRef.sha256, else `adapter_integrity_error` (never served)
+      -> safetensors.torch.load(bytes)  (never torch.load / pickle)
+      -> names and shapes checked against the base model's projections
+      -> host LRU, bounded in bytes                 (keyed by sha256: a rolled-back version still cached is free)
+      -> device slot, bounded in count              (runner.load_adapter_into_slot)
+
+Threading: cold loads (read, hash, parse, check) run on a small loader pool so a slow storage read never
+stalls the engine's step loop. Everything that touches the runner (placing an adapter into a slot) runs on
+the thread that calls `acquire`, i.e. the engine thread, between forward passes. Concurrent requests for
+one cold adapter share one load. An adapter pinned by a running sequence is never evicted from its slot;
+when every slot is pinned, `acquire` answers NO_SLOT and the engine keeps the request waiting.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+from .jobs import ADAPTER_INTEGRITY_ERROR, ADAPTER_LOAD_FAILED, AdapterRef
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_BLOCK_OF = {m: ("self_attn" if m in TARGET_MODULES[:4] else "mlp") for m in TARGET_MODULES}
+_PEFT_NAME = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\."
+    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_(A|B)\.weight$"
+)
+
+
+class AdapterLoadError(Exception):
+    """A load that must fail the requests waiting for it, with a code the API reports as is."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class LoraShapes:
+    """What a base model accepts: layer count and (in_features, out_features) per target projection."""
+
+    num_layers: int
+    modules: dict[str, tuple[int, int]]
+
+    @classmethod
+    def from_config(cls, config) -> "LoraShapes":
+        """From the runner's config (HF names); the same arithmetic as adapters.manifest."""
+
+        def get(*names, default=None):
+            for n in names:
+                v = config.get(n) if isinstance(config, dict) else getattr(config, n, None)
+                if v is not None:
+                    return v
+            return default
+
+        hidden = int(get("hidden_size"))
+        heads = int(get("num_attention_heads"))
+        kv_heads = int(get("num_key_value_heads", default=heads))
+        head_dim = int(get("head_dim", default=hidden // heads))
+        inter = int(get("intermediate_size"))
+        q, kv = heads * head_dim, kv_heads * head_dim
+        return cls(
+            num_layers=int(get("num_hidden_layers", "num_layers")),
+            modules={
+                "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+                "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+            },
+        )
+
+
+@dataclass
+class HostAdapter:
+    sha256: str
+    weights: dict[str, torch.Tensor]  # PEFT names -> lora_A [r, in] / lora_B [out, r]
+    nbytes: int
+    rank: int
+    scale: float
+    load_seconds: float = 0.0  # read + verify + parse + check, on the loader thread
+
+
+def check_adapter_weights(weights: dict[str, torch.Tensor], ref: AdapterRef, shapes: LoraShapes, max_rank: int) -> None:
+    """Refuses weights that would not do what the adapter claims (a tensor that lands nowhere would
+    otherwise silently serve the base model). Raises AdapterLoadError naming the tensor and the reason."""
+
+    def fail(msg: str):
+        raise AdapterLoadError(ADAPTER_LOAD_FAILED, f"adapter {ref.sha256[:12]}: {msg}")
+
+    if ref.rank < 1 or ref.rank > max_rank:
+        fail(f"rank {ref.rank} is outside 1..{max_rank}")
+    if not weights:
+        fail("holds no tensors")
+    seen: dict[tuple[int, str], set[str]] = {}
+    for name, t in weights.items():
+        m = _PEFT_NAME.match(name)
+        if m is None:
+            fail(f"tensor {name!r} is not a lora_A/lora_B weight of a target projection")
+        layer, block, module, kind = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if block != _BLOCK_OF[module] or layer >= shapes.num_layers:
+            fail(f"tensor {name!r} does not exist in the base model ({shapes.num_layers} layers)")
+        if not t.is_floating_point():
+            fail(f"tensor {name!r} has dtype {t.dtype}, not floating point")
+        d_in, d_out = shapes.modules[module]
+        want = (ref.rank, d_in) if kind == "A" else (d_out, ref.rank)
+        if tuple(t.shape) != want:
+            fail(f"tensor {name!r} has shape {list(t.shape)}, the base model needs {list(want)}")
+        seen.setdefault((layer, module), set()).add(kind)
+    for (layer, module), kinds in seen.items():
+        if kinds != {"A", "B"}:
+            fail(f"layer {layer} {module} has lora_{''.join(kinds)} without its pair")
+
+
+# acquire() answers
+READY, LOADING, NO_SLOT, FAILED = "ready", "loading", "no_slot", "failed"
+
+
+@dataclass
+class Acquired:
+    state: str
+    slot: int = -1
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+class AdapterCache:
+    def __init__(
+        self,
+        runner,
+        loader: Callable[[str], bytes],
+        *,
+        host_cache_bytes: int = 2 << 30,
+        num_slots: int | None = None,
+        max_rank: int | None = None,
+        shapes: LoraShapes | None = None,
+        loader_threads: int = 2,
+        on_loaded: Callable[[], None] | None = None,
+    ):
+        self.runner = runner
+        self.loader = loader
+        self.host_cache_bytes = int(host_cache_bytes)
+        self.num_slots = int(num_slots if num_slots is not None else getattr(runner, "max_lora_slots"))
+        self.max_rank = int(max_rank if max_rank is not None else getattr(runner, "max_lora_rank", 64))
+        self.shapes = shapes if shapes is not None else LoraShapes.from_config(runner.config)
+        self.on_loaded = on_loaded or (lambda: None)  # wakes the engine when a load ends
+        self._pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="adapter-load")
+        self._hash_pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="adapter-hash")
+        self._lock = threading.RLock()  # a load may finish (and call back) before add_done_callback returns
+        self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # LRU order: oldest first
+        self._host_bytes = 0
+        self._inflight: dict[str, Future] = {}
+        self._waiters: dict[str, set[Hashable]] = {}  # sha -> waiters not yet given a slot
+        self._failed: dict[Hashable, AdapterLoadError] = {}  # waiter -> the failure it must report
+        self._slot_sha: list[str | None] = [None] * self.num_slots
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident shas, least recently used first
+        self._pins: dict[str, int] = {}
+        self.counters = {
+            "hits": 0, "cold_loads": 0, "load_failures": 0, "host_evictions": 0, "slot_evictions": 0,
+            "load_seconds": 0.0, "slot_load_seconds": 0.0,
+        }
+
+    # ---- engine-thread API -------------------------------------------------------------------
+
+    def acquire(self, ref: AdapterRef, waiter: Hashable) -> Acquired:
+        """Pins `ref` in a device slot and returns it, or says why not yet. Non-blocking; call again
+        on a later step while LOADING / NO_SLOT. A FAILED answer is given once per waiter."""
+        sha = ref.sha256
+        with self._lock:
+            err = self._failed.pop(waiter, None)
+            if err is not None:
+                return Acquired(FAILED, error_code=err.code, error_message=err.message)
+            slot = self._slot_of.get(sha)
+            if slot is not None:
+                return self._pin(sha, slot, waiter)
+            host = self._host.get(sha)
+            if host is None:
+                self._waiters.setdefault(sha, set()).add(waiter)
+                if sha not in self._inflight:
+                    self.counters["cold_loads"] += 1
+                    fut = self._pool.submit(self._load, ref)
+                    self._inflight[sha] = fut
+                    fut.add_done_callback(lambda f, ref=ref: self._finish_load(ref, f))
+                return Acquired(LOADING)
+            slot = self._free_slot()
+            if slot is None:
+                self._waiters.setdefault(sha, set()).add(waiter)  # keeps the host copy from eviction
+                return Acquired(NO_SLOT)
+            self._host.move_to_end(sha)
+            t0 = time.perf_counter()
+            self.runner.load_adapter_into_slot(slot, host.weights, rank=host.rank, scale=host.scale)
+            self.counters["slot_load_seconds"] += time.perf_counter() - t0
+            self._slot_sha[slot] = sha
+            self._slot_of[sha] = slot
+            return self._pin(sha, slot, waiter)
+
+    def release(self, sha: str) -> None:
+        """A sequence using `sha` finished: it may be evicted once no other sequence uses it."""
+        with self._lock:
+            n = self._pins.get(sha, 0) - 1
+            if n <= 0:
+                self._pins.pop(sha, None)
+            else:
+                self._pins[sha] = n
+
+    def forget(self, waiter: Hashable) -> None:
+        """A waiting request went away (cancelled): drop what the cache held for it."""
+        with self._lock:
+            self._failed.pop(waiter, None)
+            for sha, ws in list(self._waiters.items()):
+                ws.discard(waiter)
+                if not ws:
+                    del self._waiters[sha]
+            self._evict_host()
+
+    # ---- inspection --------------------------------------------------------------------------
+
+    def resident(self) -> list[str]:
+        """sha256 of the adapters now in device slots."""
+        with self._lock:
+            return list(self._slot_of)
+
+    def host_resident(self) -> list[str]:
+        with self._lock:
+            return list(self._host)
+
+    def pinned(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._pins)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                **self.counters,
+                "host_bytes": self._host_bytes,
+                "host_adapters": len(self._host),
+                "resident_adapters": len(self._slot_of),
+                "loads_in_flight": len(self._inflight),
+            }
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._hash_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _pin(self, sha: str, slot: int, waiter: Hashable) -> Acquired:
+        ws = self._waiters.get(sha)
+        if ws is not None and waiter in ws:
+            ws.discard(waiter)
+            if not ws:
+                del self._waiters[sha]
+        else:
+            self.counters["hits"] += 1
+        self._pins[sha] = self._pins.get(sha, 0) + 1
+        self._slot_of.move_to_end(sha)
+        return Acquired(READY, slot=slot)
+
+    def _free_slot(self) -> int | None:
+        for slot, sha in enumerate(self._slot_sha):
+            if sha is None:
+                return slot
+        for sha, slot in self._slot_of.items():  # least recently used first
+            if self._pins.get(sha, 0) == 0:
+                del self._slot_of[sha]
+                self._slot_sha[slot] = None
+                self.counters["slot_evictions"] += 1
+                return slot
+        return None
+
+    def _load(self, ref: AdapterRef) -> HostAdapter:
+        """Loader thread: read, verify, parse, check. The hash runs beside the parse (both release the
+        GIL); parsing untrusted bytes with safetensors is safe, and nothing is used unless the hash matches."""
+        t0 = time.perf_counter()
+        try:
+            blob = self.loader(ref.storage_key)
+        except Exception as exc:  # storage errors of every kind fail the requests, not the worker
+            raise AdapterLoadError(ADAPTER_LOAD_FAILED, f"could not read {ref.storage_key!r}: {exc}") from exc
+        blob = bytes(blob) if not isinstance(blob, bytes) else blob
+        digest = self._hash_pool.submit(lambda: hashlib.sha256(blob).hexdigest())
+        try:
+            weights, parse_error = load_safetensors(blob), None
+        except Exception as exc:
+            weights, parse_error = None, exc
+        actual = digest.result()
+        if actual != ref.sha256.lower():
+            raise AdapterLoadError(
+                ADAPTER_INTEGRITY_ERROR,
+                f"blob {ref.storage_key!r} has sha256 {actual[:12]}…, the adapter version expects {ref.sha256[:12]}…",
+            )
+        if parse_error is not None:
+            raise AdapterLoadError(ADAPTER_LOAD_FAILED, f"blob {ref.storage_key!r} is not valid safetensors: {parse_error}")
+        check_adapter_weights(weights, ref, self.shapes, self.max_rank)
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        return HostAdapter(sha256=ref.sha256, weights=weights, nbytes=nbytes, rank=ref.rank, scale=ref.scale,
+                           load_seconds=time.perf_counter() - t0)
+
+    def _finish_load(self, ref: AdapterRef, fut: Future) -> None:
+        sha = ref.sha256
+        with self._lock:
+            self._inflight.pop(sha, None)
+            if fut.cancelled():
+                return
+            exc = fut.exception()
+            if exc is None:
+                host = fut.result()
+                self.counters["load_seconds"] += host.load_seconds
+                self._host[sha] = host
+                self._host_bytes += host.nbytes
+                self._evict_host()
+            else:
+                if not isinstance(exc, AdapterLoadError):
+                    exc = AdapterLoadError(ADAPTER_LOAD_FAILED, f"loading {ref.storage_key!r} failed: {exc!r}")
+                self.counters["load_failures"] += 1
+                for w in self._waiters.pop(sha, ()):
+                    self._failed[w] = exc
+        self.on_loaded()
+
+    def _evict_host(self) -> None:
+        """Oldest first, skipping adapters that requests wait to place into a slot."""
+        if self._host_bytes <= self.host_cache_bytes:
+            return
+        for sha in list(self._host):
+            if self._host_bytes <= self.host_cache_bytes:
+                break
+            if sha in self._waiters:
+                continue
+            host = self._host.pop(sha)
+            self._host_bytes -= host.nbytes
+            self.counters["host_evictions"] += 1
