@@ -327,3 +327,28 @@ def test_upload_adapter_command_reports_a_refusal(base, alice, peft_adapters, bl
     with pytest.raises(CommandError, match="rank 32 is over"):
         call_command("upload_adapter", "globex", "writer", str(peft_adapters.rank_over_cap), "--base", "tiny")
     assert stored_files(blob_dir) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_uploads_get_distinct_consecutive_numbers(postgres, adapter, peft_adapters, blob_dir):
+    """Four uploads at once (real transactions, PostgreSQL row lock): numbers 1–4, no duplicate, no gap."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    def one(i: int) -> int:
+        try:
+            folder = peft_adapters.good if i % 2 else peft_adapters.good_other
+            with open(folder / "adapter_config.json", "rb") as cfg, \
+                    open(folder / "adapter_model.safetensors", "rb") as weights:
+                return create_adapter_version(adapter, config_file=cfg, weights_file=weights).number
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        numbers = sorted(pool.map(one, range(4)))
+    assert numbers == [1, 2, 3, 4]
+    adapter.refresh_from_db()
+    assert adapter.active_version.number == 1
+    assert adapter.pointer_changes.count() == 1  # only the first to take the lock went live
+    assert len(stored_files(blob_dir)) == 2  # two distinct contents, each stored once
