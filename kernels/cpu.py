@@ -1,12 +1,22 @@
-"""The LoRA term on CPU tensors: one pair of BLAS calls per active segment.
+"""The LoRA term on CPU tensors, by the strategy measured fastest for each kind of segment.
 
-(v1 — to be replaced by the measured-fastest path.)
+Measured on 7B shapes (bench/kernels.py, bench/RESULTS.md):
+- short segments (decode: a few tokens per adapter) are memory-bound GEMVs. One call of the native kernel
+  (csrc/sgmv_cpu.c) covers all of them: no Python per segment, work proportional to each real rank,
+  and it reaches a large fraction of copy bandwidth. Per-segment torch calls pay ~10 us of dispatch each
+  and torch's small-GEMM threading stalls when the other core is busy.
+- long segments (prefill: one adapter, many tokens) are GEMM-shaped: BLAS via torch beats hand loops.
+Anything the native kernel does not cover (non-fp32, exotic strides, no compiler) takes the torch path.
 """
 from __future__ import annotations
 
 import torch
 
+from . import cpu_native
 from .mapping import LoraMapping
+
+LONG_SEGMENT = 32  # tokens from which a segment goes to BLAS instead of the native kernel
+PARALLEL_BYTES = 1 << 20  # weight bytes from which the native kernel uses torch's thread count
 
 
 def add_lora_cpu(
@@ -17,10 +27,51 @@ def add_lora_cpu(
     mapping: LoraMapping,
     slot_scales: torch.Tensor,  # float32 [S]
 ) -> torch.Tensor:
+    lib = cpu_native.load() if _native_ok(out, x, a_stack, b_stack, slot_scales) else None
+    if lib is None:
+        return _add_lora_torch(out, x, a_stack, b_stack, mapping.segments, slot_scales)
+    plan = mapping.cpu_plan(LONG_SEGMENT)
+    if plan.num_short:
+        _call_native(lib, out, x, a_stack, b_stack, plan, slot_scales)
+    if plan.long_segments:
+        _add_lora_torch(out, x, a_stack, b_stack, plan.long_segments, slot_scales)
+    return out
+
+
+def _native_ok(out, x, a_stack, b_stack, slot_scales) -> bool:
+    return (
+        out.dtype == x.dtype == a_stack.dtype == b_stack.dtype == torch.float32
+        and slot_scales.dtype == torch.float32 and slot_scales.is_contiguous()
+        and out.stride(1) == 1 and x.stride(1) == 1 and a_stack.stride(2) == 1 and b_stack.stride(2) == 1
+        and b_stack.stride(1) < (1 << 20)  # the gather expand indexes 16 rows with int32 offsets
+    )
+
+
+def _call_native(lib, out, x, a_stack, b_stack, plan, slot_scales) -> None:
+    r_max = a_stack.shape[1]
+    y = torch.empty(x.shape[0], r_max, dtype=torch.float32)  # [T, r_max] scratch for the shrink
+    weight_bytes = plan.short_rank_sum * (x.shape[1] + out.shape[1]) * 4
+    threads = torch.get_num_threads() if weight_bytes >= PARALLEL_BYTES else 1
+    starts, lens, slots, ranks = plan.short_ptrs
+    lib.sgmv_add_f32(
+        plan.num_short, starts, lens, slots, ranks,
+        x.data_ptr(), x.stride(0),
+        a_stack.data_ptr(), a_stack.stride(0), a_stack.stride(1),
+        b_stack.data_ptr(), b_stack.stride(0), b_stack.stride(1),
+        out.data_ptr(), out.stride(0),
+        slot_scales.data_ptr(),
+        y.data_ptr(), y.stride(0),
+        x.shape[1], out.shape[1], threads,
+    )
+
+
+def _add_lora_torch(out, x, a_stack, b_stack, segments, slot_scales) -> torch.Tensor:
+    """One shrink GEMM and one expand GEMM per segment; any dtype, any strides."""
     scales = slot_scales.tolist()
-    for start, end, slot, rank in mapping.segments:
+    for start, end, slot, rank in segments:
         y = torch.mm(x[start:end], a_stack[slot, :rank].t())  # [n, r]
-        out[start:end].addmm_(y.to(out.dtype), b_stack[slot, :, :rank].t().to(out.dtype), alpha=scales[slot])
+        b = b_stack[slot, :, :rank].t()  # [r, d_out]
+        out[start:end].addmm_(y.to(out.dtype), b.to(out.dtype), alpha=scales[slot])
     return out
 
 
@@ -28,7 +79,7 @@ def lora_shrink_cpu(
     x: torch.Tensor,  # [T, d_in]
     a_stack: torch.Tensor,  # [S, r_max, d_in]
     mapping: LoraMapping,
-    y: torch.Tensor,  # float32 [T, r_max], written for active tokens
+    y: torch.Tensor,  # float32 [T, r_max], zeroed; written for active tokens
 ) -> torch.Tensor:
     for start, end, slot, rank in mapping.segments:
         y[start:end, :rank] = torch.mm(x[start:end], a_stack[slot, :rank].t())

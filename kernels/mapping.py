@@ -6,9 +6,20 @@ not in the per-projection call, which runs 7 x layers times per step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """The CPU path's split of a step's segments, computed once per mapping and threshold."""
+
+    num_short: int  # segments handled by the native kernel
+    short_segs: torch.Tensor  # int32 [4, num_short] CPU: starts, lens, slots, ranks (kept alive for the ptrs)
+    short_ptrs: tuple[int, int, int, int]  # data pointers of short_segs' rows
+    short_rank_sum: int  # sum of the short segments' ranks (sizes the work)
+    long_segments: tuple[tuple[int, int, int, int], ...]  # (start, end, slot, rank) handed to BLAS
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,6 +40,7 @@ class LoraMapping:
     segments: tuple[tuple[int, int, int, int], ...]  # (start, end, slot, rank) per active segment
     max_seg_len: int  # longest active segment (0 if none); sizes the Triton grid
     max_rank: int  # largest real rank among active segments (0 if none)
+    _cpu_plans: dict = field(default_factory=dict, repr=False)  # long-segment threshold -> CpuPlan
 
     @property
     def num_segments(self) -> int:
@@ -38,6 +50,24 @@ class LoraMapping:
     def is_empty(self) -> bool:
         """True when no token uses an adapter: the whole LoRA term is zero."""
         return not self.segments
+
+    def cpu_plan(self, long_segment: int) -> CpuPlan:
+        """Short segments packed for the native CPU kernel, long ones listed for BLAS; cached."""
+        plan = self._cpu_plans.get(long_segment)
+        if plan is None:
+            short = [seg for seg in self.segments if seg[1] - seg[0] < long_segment]
+            packed = torch.tensor([[s for s, _, _, _ in short], [e - s for s, e, _, _ in short],
+                                   [slot for _, _, slot, _ in short], [r for _, _, _, r in short]],
+                                  dtype=torch.int32).reshape(4, len(short))
+            plan = CpuPlan(
+                num_short=len(short),
+                short_segs=packed,
+                short_ptrs=tuple(packed[i].data_ptr() for i in range(4)),
+                short_rank_sum=sum(r for _, _, _, r in short),
+                long_segments=tuple(seg for seg in self.segments if seg[1] - seg[0] >= long_segment),
+            )
+            self._cpu_plans[long_segment] = plan
+        return plan
 
     @classmethod
     def build(

@@ -2,6 +2,8 @@
 padded rank columns never read, segments built from any slot order, column views of fused outputs."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -100,3 +102,17 @@ def test_add_lora_refuses_mismatched_shapes():
         add_lora(torch.zeros(3, 24), torch.zeros(2, 40), a, b, mapping, torch.ones(3))
     with pytest.raises(ValueError):
         add_lora(torch.zeros(2, 24), torch.zeros(3, 40), a, b, mapping, torch.ones(3))
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler on this machine")
+def test_the_native_cpu_kernel_builds_and_serves_decode_batches(monkeypatch):
+    """With a compiler present the CPU path must not silently fall back to per-segment torch calls."""
+    from kernels import cpu, cpu_native
+
+    assert cpu_native.load() is not None
+    calls = []
+    monkeypatch.setattr(cpu, "_add_lora_torch", lambda *args: calls.append(args))
+    a, b = stacks()
+    out = torch.zeros(4, 24)
+    add_lora(out, torch.randn(4, 40), a, b, LoraMapping.build([0, 1, 1, 2], [4, 32, 9]), torch.ones(3))
+    assert calls == [] and out.abs().sum() > 0

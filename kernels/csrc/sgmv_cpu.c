@@ -1,0 +1,199 @@
+/* SGMV on CPU, fp32: out[t] += scale[slot] * B[slot, :, :r] @ (A[slot, :r, :] @ x[t]) per active segment.
+ *
+ * Built by kernels/cpu_native.py with gcc -O3 -march=native -ffast-math -fopenmp and called through
+ * ctypes, so one call covers every segment of a projection (no Python per segment). OpenMP resolves to
+ * the libgomp torch already loaded, so both share one thread pool.
+ *
+ * Two phases over flat lists of work units, each unit touching one slice of one adapter's weights:
+ *   shrink: (segment, block of A rows)    -> y[t, j] for the segment's tokens, j < rank
+ *   expand: (segment, block of out cols)  -> out[t, n] += scale * sum_j y[t, j] * B[n, j]
+ * Work and memory traffic are proportional to each slot's real rank; tokens without adapter never appear.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define TB 4          /* tokens per register block */
+#define ROWS 4        /* A rows per shrink unit */
+#define COLS 256      /* out columns per expand unit */
+#define PREFETCH_ROWS 8  /* B rows read ahead in the expand */
+#define GATHER_PREFETCH 32  /* B rows prefetched ahead by the gather expand */
+#define GATHER_MAX_RANK 8  /* expand ranks up to this by column gathers; measured faster than rows up to 8 */
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static void shrink_unit(const float *x, int64_t sx, const float *arows, int64_t sar, int nrows,
+                        float *y, int64_t sy, int64_t len, int64_t d_in) {
+    for (int64_t t0 = 0; t0 < len; t0 += TB) {
+        int nt = (int)min64(TB, len - t0);
+        const float *x0 = x + t0 * sx;
+        const float *x1 = x0 + (nt > 1 ? sx : 0);
+        const float *x2 = x0 + (nt > 2 ? 2 * sx : 0);
+        const float *x3 = x0 + (nt > 3 ? 3 * sx : 0);
+        for (int j = 0; j < nrows; j++) {
+            const float *ar = arows + j * sar;
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+            if (nt == 1) {
+                #pragma omp simd reduction(+:s0)
+                for (int64_t k = 0; k < d_in; k++) s0 += ar[k] * x0[k];
+            } else if (nt == 2) {
+                #pragma omp simd reduction(+:s0,s1)
+                for (int64_t k = 0; k < d_in; k++) { s0 += ar[k] * x0[k]; s1 += ar[k] * x1[k]; }
+            } else {
+                #pragma omp simd reduction(+:s0,s1,s2,s3)
+                for (int64_t k = 0; k < d_in; k++) {
+                    float a = ar[k];
+                    s0 += a * x0[k]; s1 += a * x1[k]; s2 += a * x2[k]; s3 += a * x3[k];
+                }
+            }
+            float s[TB] = {s0, s1, s2, s3};
+            for (int i = 0; i < nt; i++) y[(t0 + i) * sy + j] = s[i];
+        }
+    }
+}
+
+/* Columns n0..n1 of out for the segment's tokens: one dot product over the real rank per (token, column),
+ * B rows read once per block of TB tokens. Rows of B are r_max apart, so for a small rank the reads are
+ * strided: prefetch a few rows ahead, since the hardware prefetcher does not follow that stride well. */
+static void expand_unit(const float *y, int64_t sy, const float *b, int64_t sbn, int rank,
+                        float *out, int64_t so, int64_t len, int64_t ncols, float scale) {
+    for (int64_t t0 = 0; t0 < len; t0 += TB) {
+        int nt = (int)min64(TB, len - t0);
+        const float *y0 = y + t0 * sy;
+        const float *y1 = y0 + (nt > 1 ? sy : 0);
+        const float *y2 = y0 + (nt > 2 ? 2 * sy : 0);
+        const float *y3 = y0 + (nt > 3 ? 3 * sy : 0);
+        float *o0 = out + t0 * so;
+        float *o1 = o0 + (nt > 1 ? so : 0);
+        float *o2 = o0 + (nt > 2 ? 2 * so : 0);
+        float *o3 = o0 + (nt > 3 ? 3 * so : 0);
+        for (int64_t n = 0; n < ncols; n++) {
+            const float *br = b + n * sbn;
+            __builtin_prefetch(br + PREFETCH_ROWS * sbn);
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+            if (nt == 1) {
+                #pragma omp simd reduction(+:s0)
+                for (int j = 0; j < rank; j++) s0 += br[j] * y0[j];
+                o0[n] += scale * s0;
+            } else if (nt == 2) {
+                #pragma omp simd reduction(+:s0,s1)
+                for (int j = 0; j < rank; j++) { s0 += br[j] * y0[j]; s1 += br[j] * y1[j]; }
+                o0[n] += scale * s0; o1[n] += scale * s1;
+            } else {
+                #pragma omp simd reduction(+:s0,s1,s2,s3)
+                for (int j = 0; j < rank; j++) {
+                    float bv = br[j];
+                    s0 += bv * y0[j]; s1 += bv * y1[j]; s2 += bv * y2[j]; s3 += bv * y3[j];
+                }
+                /* nt == 3 points o3 at o0 with y3 = y0: write o3 first so o0's real sum wins */
+                o3[n] += (nt > 3 ? scale * s3 : 0.f);
+                o2[n] += (nt > 2 ? scale * s2 : 0.f);
+                o1[n] += scale * s1; o0[n] += scale * s0;
+            }
+        }
+    }
+}
+
+#ifdef __AVX512F__
+/* Small ranks: a per-column dot over a few elements is all overhead (horizontal sums), so gather
+ * 16 columns' B[n, j] at a time and accumulate 16 outputs per FMA: work ~ rank x columns / 16. */
+static void expand_unit_gather(const float *y, int64_t sy, const float *b, int64_t sbn, int rank,
+                               float *out, int64_t so, int64_t len, int64_t ncols, float scale) {
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)sbn));
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < len; t0 += TB) {
+        int nt = (int)min64(TB, len - t0);
+        for (int64_t n0 = 0; n0 < ncols; n0 += 16) {
+            int nn = (int)min64(16, ncols - n0);
+            __mmask16 m = (__mmask16)((1u << nn) - 1u);
+            const float *bb = b + n0 * sbn;
+            for (int i = 0; i < 16; i++)  /* rows two blocks ahead: strided rows defeat the hw prefetcher */
+                _mm_prefetch((const char *)(bb + (GATHER_PREFETCH + i) * sbn), _MM_HINT_T0);
+            __m512 acc[TB];
+            for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();
+            for (int j = 0; j < rank; j++) {
+                __m512 col = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, bb + j, 4);
+                for (int t = 0; t < TB; t++)
+                    if (t < nt) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(y[(t0 + t) * sy + j]), col, acc[t]);
+            }
+            for (int t = 0; t < nt; t++) {
+                float *o = out + (t0 + t) * so + n0;
+                _mm512_mask_storeu_ps(o, m, _mm512_fmadd_ps(vscale, acc[t], _mm512_maskz_loadu_ps(m, o)));
+            }
+        }
+    }
+}
+
+/* Larger ranks: B rows are long enough to stream; one masked FMA per 16 rank elements and token, then
+ * one horizontal sum per (token, column). Every line of the row is prefetched a few rows ahead. */
+static void expand_unit_rows(const float *y, int64_t sy, const float *b, int64_t sbn, int rank,
+                             float *out, int64_t so, int64_t len, int64_t ncols, float scale) {
+    const int nchunks = (rank + 15) / 16;
+    const __mmask16 last = (rank % 16) ? (__mmask16)((1u << (rank % 16)) - 1u) : (__mmask16)0xFFFF;
+    for (int64_t t0 = 0; t0 < len; t0 += TB) {
+        int nt = (int)min64(TB, len - t0);
+        for (int64_t n = 0; n < ncols; n++) {
+            const float *br = b + n * sbn;
+            for (int c = 0; c < rank; c += 16)
+                _mm_prefetch((const char *)(br + PREFETCH_ROWS * sbn + c), _MM_HINT_T0);
+            __m512 s[TB];
+            for (int t = 0; t < TB; t++) s[t] = _mm512_setzero_ps();
+            for (int c = 0; c < nchunks; c++) {
+                __mmask16 m = (c == nchunks - 1) ? last : (__mmask16)0xFFFF;
+                __m512 bv = _mm512_maskz_loadu_ps(m, br + 16 * c);
+                for (int t = 0; t < TB; t++)
+                    if (t < nt) s[t] = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(m, y + (t0 + t) * sy + 16 * c), s[t]);
+            }
+            for (int t = 0; t < nt; t++) out[(t0 + t) * so + n] += scale * _mm512_reduce_add_ps(s[t]);
+        }
+    }
+}
+#endif
+
+/* y: scratch [T, sy] fp32. nthreads <= 1 runs on the calling thread only. */
+void sgmv_add_f32(int64_t G, const int32_t *starts, const int32_t *lens, const int32_t *slots,
+                  const int32_t *ranks, const float *x, int64_t sx, const float *a, int64_t sas,
+                  int64_t sar, const float *b, int64_t sbs, int64_t sbn, float *out, int64_t so,
+                  const float *scales, float *y, int64_t sy, int64_t d_in, int64_t d_out, int nthreads) {
+    /* units: shrink units per segment = ceil(rank / ROWS); expand units = ceil(d_out / COLS) */
+    int64_t n_shrink = 0, n_expand_per = (d_out + COLS - 1) / COLS;
+    for (int64_t g = 0; g < G; g++) n_shrink += (ranks[g] + ROWS - 1) / ROWS;
+    int64_t n_expand = G * n_expand_per;
+    if (nthreads < 1) nthreads = 1;
+
+    #pragma omp parallel num_threads(nthreads) if(nthreads > 1)
+    {
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < n_shrink; u++) {
+            /* find the segment of unit u (G is small; a linear scan is cheaper than a table) */
+            int64_t g = 0, first = 0;
+            while (first + (ranks[g] + ROWS - 1) / ROWS <= u) { first += (ranks[g] + ROWS - 1) / ROWS; g++; }
+            int j0 = (int)(u - first) * ROWS;
+            int nrows = (int)min64(ROWS, ranks[g] - j0);
+            shrink_unit(x + (int64_t)starts[g] * sx, sx, a + (int64_t)slots[g] * sas + j0 * sar, sar, nrows,
+                        y + (int64_t)starts[g] * sy + j0, sy, lens[g], d_in);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < n_expand; u++) {
+            int64_t g = u / n_expand_per, n0 = (u % n_expand_per) * COLS;
+#ifdef __AVX512F__
+            if (ranks[g] <= GATHER_MAX_RANK) {
+                expand_unit_gather(y + (int64_t)starts[g] * sy, sy, b + (int64_t)slots[g] * sbs + n0 * sbn, sbn,
+                                   ranks[g], out + (int64_t)starts[g] * so + n0, so, lens[g],
+                                   min64(COLS, d_out - n0), scales[slots[g]]);
+                continue;
+            }
+            expand_unit_rows(y + (int64_t)starts[g] * sy, sy, b + (int64_t)slots[g] * sbs + n0 * sbn, sbn,
+                             ranks[g], out + (int64_t)starts[g] * so + n0, so, lens[g],
+                             min64(COLS, d_out - n0), scales[slots[g]]);
+            continue;
+#endif
+            expand_unit(y + (int64_t)starts[g] * sy, sy, b + (int64_t)slots[g] * sbs + n0 * sbn, sbn, ranks[g],
+                        out + (int64_t)starts[g] * so + n0, so, lens[g], min64(COLS, d_out - n0),
+                        scales[slots[g]]);
+        }
+    }
+}
