@@ -22,6 +22,7 @@ from tenants.context import tenant_view
 from . import capacity, services, usage
 from .forms import ActivateForm, AdapterCreateForm, AuditFilterForm, CapacityForm, UploadForm, UsageWindowForm
 from .models import Adapter, AdapterVersion, VersionPointerChange
+from .storage import BlobStorageError
 from .validation import AdapterValidationError
 
 
@@ -136,6 +137,9 @@ def upload(request: HttpRequest, pk: int) -> HttpResponse:
                 )
             except AdapterValidationError as err:
                 error = {"field": err.field, "message": str(err)}
+            except BlobStorageError:
+                error = {"field": "storage", "message": "Storing the weights failed on our side; nothing was "
+                         "recorded. Please try again in a minute."}
             else:
                 adapter.refresh_from_db(fields=["active_version"])
                 live = adapter.active_version_id == version.pk
