@@ -65,8 +65,8 @@ class LoraShapes:
             return default
 
         hidden = int(get("hidden_size"))
-        heads = int(get("num_attention_heads"))
-        kv_heads = int(get("num_key_value_heads", default=heads))
+        heads = int(get("num_attention_heads", "num_heads"))
+        kv_heads = int(get("num_key_value_heads", "num_kv_heads", default=heads))
         head_dim = int(get("head_dim", default=hidden // heads))
         inter = int(get("intermediate_size"))
         q, kv = heads * head_dim, kv_heads * head_dim

@@ -1,0 +1,477 @@
+"""The engine: one thread that runs continuous (iteration-level) batching over one ModelRunner.
+
+Any thread may `submit(job)`; the engine thread, at every step,
+  1. takes new jobs and cancellations from its inbox,
+  2. admits waiting requests in arrival order (FCFS) while KV blocks and adapter slots allow,
+  3. builds one batch: a prefill chunk for requests still reading their prompt (a per-step token budget
+     chunks long prompts) and one decode token for the others, ordered so that each adapter's tokens are
+     contiguous (the segments SGMV consumes), and runs ONE `runner.forward` over all of it,
+  4. samples, checks stop conditions, streams text, and retires finished requests at once, freeing
+     their KV blocks and unpinning their adapters.
+
+KV blocks for a request's whole budget (prompt + max_tokens) are reserved at admission, so a running
+request can never run out of cache and nothing needs preempting; the price is that a request that stops
+early held blocks it did not use until it finished.
+
+Fairness: a request whose adapter is still loading (off-thread) does not hold up those behind it; a
+request that waits for KV blocks or for a free adapter slot does, so nothing later can keep taking the
+resource it waits for (no starvation).
+
+Failures are per request: a bad adapter, an over-long prompt or bad parameters end that request with an
+error code; if a forward pass raises, the batch is re-run sequence by sequence to find the culprit.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from typing import Callable, Iterator
+
+import torch
+
+from . import jobs
+from .adapter_cache import FAILED, LOADING, NO_SLOT, AdapterCache
+from .jobs import GenerationJob, GenerationResult
+from .metrics import EngineMetrics
+from .model import SeqStep
+from .sampling import IncrementalText, RequestSampler, SamplingParams, sample_next_tokens
+
+log = logging.getLogger(__name__)
+
+
+class RequestHandle:
+    """What `submit` returns: wait for the result, stream text deltas, or cancel. Thread-safe."""
+
+    def __init__(self, request_id: str, engine: "Engine"):
+        self.request_id = request_id
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._text = ""  # text that is final (will never be taken back by a stop string)
+        self._result: GenerationResult | None = None
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._result is not None, timeout):
+                raise TimeoutError(f"request {self.request_id} not done after {timeout} s")
+            return self._result
+
+    def done(self) -> bool:
+        return self._result is not None
+
+    def cancel(self) -> None:
+        """Ends the request at the next step; its result has finish_reason 'cancelled'."""
+        self._engine._post(("cancel", self))
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        """Yields text deltas as they are generated and ends when the request ends (check `result()`
+        for how it ended). Text that could still turn out to be the start of a stop string is held back."""
+        sent = 0
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: len(self._text) > sent or self._result is not None, timeout):
+                    raise TimeoutError(f"request {self.request_id}: no token for {timeout} s")
+                text, finished = self._text, self._result is not None
+            if len(text) > sent:
+                yield text[sent:]
+                sent = len(text)
+            if finished:
+                return
+
+    # engine side
+    def _publish(self, text: str) -> None:
+        if len(text) != len(self._text):
+            with self._cond:
+                self._text = text
+                self._cond.notify_all()
+
+    def _finish(self, result: GenerationResult) -> None:
+        with self._cond:
+            if result.status == "ok" or result.finish_reason == "cancelled":
+                self._text = result.text
+            self._result = result
+            self._cond.notify_all()
+
+
+class _Request:
+    """Engine-private state of one request."""
+
+    __slots__ = (
+        "job", "handle", "key", "prompt_ids", "out_ids", "blocks", "num_computed", "slot", "sha",
+        "sampler", "text", "stop_ids", "t_submit", "t_admit", "t_first", "done",
+    )
+
+    def __init__(self, job: GenerationJob, handle: RequestHandle, key: int):
+        self.job = job
+        self.handle = handle
+        self.key = key  # unique per engine: the adapter cache's waiter id
+        self.prompt_ids: list[int] = []
+        self.out_ids: list[int] = []
+        self.blocks: list[int] = []
+        self.num_computed = 0  # tokens of this sequence already in the KV cache
+        self.slot = -1
+        self.sha: str | None = None  # adapter pinned in `slot` (released when the request ends)
+        self.sampler: RequestSampler | None = None  # None = greedy
+        self.text: IncrementalText | None = None
+        self.stop_ids: frozenset[int] = frozenset()
+        self.t_submit = time.perf_counter()
+        self.t_admit: float | None = None
+        self.t_first: float | None = None
+        self.done = False
+
+
+class Engine:
+    def __init__(
+        self,
+        runner,
+        loader: Callable[[str], bytes],
+        *,
+        max_running: int = 64,
+        host_cache_bytes: int = 2 << 30,
+        prefill_chunk: int = 256,
+        loader_threads: int = 2,
+    ):
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.max_running = max_running
+        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.lora_enabled = bool(getattr(runner, "enable_lora", True)) and getattr(runner, "max_lora_slots", 1) > 0
+        self.cache = AdapterCache(runner, loader, host_cache_bytes=host_cache_bytes,
+                                  loader_threads=loader_threads, on_loaded=self._wake_up) if self.lora_enabled else None
+        self.metrics = EngineMetrics()
+        self.block_size = int(runner.block_size)
+        self.allocator = runner.kv.allocator
+        self.total_blocks = int(self.allocator.num_free)
+        self.max_context = int(getattr(runner.config, "max_position_embeddings"))
+        self.eos_ids = self._eos_ids()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._by_handle: dict[int, _Request] = {}
+        self._keys = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (self.runner.config, self.tokenizer):
+            for attr in ("eos_token_id", "eos_token_ids"):
+                v = getattr(src, attr, None)
+                if isinstance(v, int):
+                    ids.add(v)
+                elif isinstance(v, (list, tuple, set, frozenset)):
+                    ids.update(int(x) for x in v)
+        return frozenset(ids)
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="lorafleet-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stops the step loop; requests not finished end with error `engine_stopped`."""
+        self._stopping = True
+        self._wake_up()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        if self.cache is not None:
+            self.cache.close()
+
+    def submit(self, job: GenerationJob) -> RequestHandle:
+        """Thread-safe; returns at once. Validation and tokenization happen on the engine thread."""
+        handle = RequestHandle(job.request_id, self)
+        self._post(("submit", handle, job))
+        return handle
+
+    def generate(self, job: GenerationJob, timeout: float | None = None) -> GenerationResult:
+        return self.submit(job).result(timeout)
+
+    def resident_adapters(self) -> list[str]:
+        return self.cache.resident() if self.cache is not None else []
+
+    def stats(self) -> dict:
+        s = self.metrics.snapshot()
+        s["queue_depth"] = len(self._waiting) + self._inbox.qsize()
+        s["running"] = len(self._running)
+        s["free_kv_blocks"] = int(self.allocator.num_free)
+        s["total_kv_blocks"] = self.total_blocks
+        if self.cache is not None:
+            s["cache"] = self.cache.stats()
+            s["resident_adapters"] = self.cache.resident()
+        else:
+            s["cache"] = {}
+            s["resident_adapters"] = []
+        return s
+
+    # ---- engine thread -------------------------------------------------------------------------
+
+    def _post(self, msg) -> None:
+        self._inbox.put(msg)
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                self._drain_inbox()
+                self._admit()
+                if not self._running:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self._step()
+            except Exception:  # a bug must not kill the worker: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                for req in list(self._running):
+                    self._fail(req, jobs.INTERNAL_ERROR, "the engine failed while running this request")
+                self._running = [r for r in self._running if not r.done]
+        self._drain_inbox()
+        for req in list(self._running) + list(self._waiting):
+            self._fail(req, jobs.ENGINE_STOPPED, "the engine stopped before this request finished")
+        self._running, self._waiting = [], deque()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "submit":
+                self._accept(msg[1], msg[2])
+            else:
+                req = self._by_handle.get(id(msg[1]))
+                if req is not None and not req.done:
+                    self._finish(req, "cancelled", error=(jobs.CANCELLED, "cancelled by the caller"))
+                    self._running = [r for r in self._running if not r.done]
+
+    def _accept(self, handle: RequestHandle, job: GenerationJob) -> None:
+        req = _Request(job, handle, next(self._keys))
+        self._by_handle[id(handle)] = req
+        self.metrics.requests_submitted += 1
+        err = self._prepare(req)
+        if err is not None:
+            self._fail(req, *err)
+        else:
+            self._waiting.append(req)
+
+    def _prepare(self, req: _Request) -> tuple[str, str] | None:
+        """Tokenize and validate; returns (code, message) when the request cannot run."""
+        job = req.job
+        params = SamplingParams.from_job(job)
+        problem = params.validate()
+        if problem is None and job.max_tokens < 1:
+            problem = "max_tokens must be >= 1"
+        if problem is not None:
+            return jobs.INVALID_REQUEST, problem
+        if job.adapter is not None and not self.lora_enabled:
+            return jobs.ADAPTER_LOAD_FAILED, "this worker runs with LoRA disabled and serves the base model only"
+        if job.prompt_token_ids is not None:
+            ids = [int(t) for t in job.prompt_token_ids]
+        else:
+            ids = self.tokenizer.encode(job.prompt or "", add_special_tokens=True)
+        if not ids:
+            return jobs.INVALID_REQUEST, "the prompt is empty"
+        vocab = int(self.runner.config.vocab_size)
+        if any(t < 0 or t >= vocab for t in ids):
+            return jobs.INVALID_REQUEST, f"prompt token ids must be in 0..{vocab - 1}"
+        req.prompt_ids = ids
+        if len(ids) + job.max_tokens > self.max_context:
+            return jobs.PROMPT_TOO_LONG, (
+                f"prompt of {len(ids)} tokens + max_tokens {job.max_tokens} exceeds the context of {self.max_context}"
+            )
+        if self._blocks_needed(req) > self.total_blocks:
+            return jobs.PROMPT_TOO_LONG, (
+                f"prompt of {len(ids)} tokens + max_tokens {job.max_tokens} needs more KV cache than this worker has"
+            )
+        req.sampler = None if params.greedy else RequestSampler(params)
+        req.text = IncrementalText(self.tokenizer, ids, job.stop)
+        req.stop_ids = frozenset(int(t) for t in job.stop_token_ids)
+        return None
+
+    def _blocks_needed(self, req: _Request) -> int:
+        return math.ceil((len(req.prompt_ids) + req.job.max_tokens) / self.block_size)
+
+    def _admit(self) -> None:
+        """FCFS admission bounded by max_running, adapter slots and free KV blocks."""
+        if not self._waiting:
+            return
+        kept: deque[_Request] = deque()
+        blocked = False
+        while self._waiting:
+            req = self._waiting.popleft()
+            if req.done:  # cancelled while waiting
+                continue
+            if blocked or len(self._running) >= self.max_running:
+                kept.append(req)
+                continue
+            ref = req.job.adapter
+            if ref is not None and req.sha is None:
+                got = self.cache.acquire(ref, req.key)
+                if got.state == FAILED:
+                    self._fail(req, got.error_code, got.error_message)
+                    continue
+                if got.state == LOADING:  # loads off-thread; those behind it go ahead
+                    kept.append(req)
+                    continue
+                if got.state == NO_SLOT:  # every slot pinned: hold the line until one frees
+                    kept.append(req)
+                    blocked = True
+                    continue
+                req.slot, req.sha = got.slot, ref.sha256
+            need = self._blocks_needed(req)
+            if self.allocator.num_free < need:
+                kept.append(req)
+                blocked = True
+                continue
+            req.blocks = self.allocator.allocate(need)
+            req.t_admit = time.perf_counter()
+            self._running.append(req)
+        self._waiting = kept
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        # Prefill budget goes to requests in admission order, so an old long prompt is not starved.
+        budget = self.prefill_chunk
+        batch: list[tuple[_Request, int]] = []  # (request, number of new tokens)
+        for req in self._running:
+            left = len(req.prompt_ids) - req.num_computed
+            if left > 0:
+                if budget <= 0:
+                    continue
+                n = min(left, budget)
+                budget -= n
+                batch.append((req, n))
+            else:
+                batch.append((req, 1))
+        batch.sort(key=lambda rn: rn[0].slot)  # stable: each adapter's tokens contiguous
+        steps = []
+        for req, n in batch:
+            if req.num_computed < len(req.prompt_ids):
+                toks = req.prompt_ids[req.num_computed : req.num_computed + n]
+            else:
+                toks = [req.out_ids[-1]]
+            steps.append(SeqStep(block_table=req.blocks, start_pos=req.num_computed, token_ids=toks, slot=req.slot))
+
+        tf = time.perf_counter()
+        logits, failed = self._forward(steps)  # [len(steps), vocab]
+        forward_s = time.perf_counter() - tf
+
+        rows, reqs, samplers = [], [], []
+        for i, (req, n) in enumerate(batch):
+            if i in failed:
+                self._fail(req, jobs.INTERNAL_ERROR, f"the forward pass failed for this request: {failed[i]}")
+                continue
+            req.num_computed += n
+            if req.num_computed >= len(req.prompt_ids):  # logits of the last token: sample
+                if req.sampler is not None:
+                    samplers.append((len(rows), req.sampler))
+                rows.append(i)
+                reqs.append(req)
+        if rows:
+            sel = logits if len(rows) == len(batch) else logits[torch.tensor(rows, device=logits.device)]
+            tokens = sample_next_tokens(sel, samplers)
+            now = time.perf_counter()
+            for req, tok in zip(reqs, tokens):
+                self._on_token(req, tok, now)
+        self._running = [r for r in self._running if not r.done]
+        self.metrics.record_step(
+            batch_size=len(steps), tokens=sum(len(s.token_ids) for s in steps),
+            distinct_adapters=len({s.slot for s in steps}), forward_s=forward_s,
+            step_s=time.perf_counter() - t0,
+        )
+
+    def _forward(self, steps: list) -> tuple[torch.Tensor, dict[int, str]]:
+        """One forward pass; if it raises, each sequence alone, so one bad request fails alone.
+        (Re-running a step rewrites the same KV entries with the same values.)"""
+        try:
+            return self.runner.forward(steps), {}
+        except Exception as exc:
+            log.warning("batched forward failed (%r); isolating", exc)
+        rows, failed = [], {}
+        vocab = int(self.runner.config.vocab_size)
+        for i, s in enumerate(steps):
+            try:
+                rows.append(self.runner.forward([s])[0])
+            except Exception as exc:
+                failed[i] = repr(exc)
+                rows.append(torch.zeros(vocab))
+        dev = next((r.device for r in rows), "cpu")
+        return torch.stack([r.to(dev) for r in rows]), failed
+
+    def _on_token(self, req: _Request, tok: int, now: float) -> None:
+        if req.t_first is None:
+            req.t_first = now
+        req.out_ids.append(tok)
+        self.metrics.tokens_generated += 1
+        job = req.job
+        if tok in req.stop_ids or (tok in self.eos_ids and not job.ignore_eos):
+            self._finish(req, "stop")
+            return
+        if req.text.append(tok):
+            self._finish(req, "stop")
+            return
+        if len(req.out_ids) >= job.max_tokens:
+            self._finish(req, "length")
+            return
+        req.handle._publish(req.text.text[: req.text.stable_text_len(False)])
+
+    def _release(self, req: _Request) -> None:
+        if req.blocks:
+            self.allocator.free(req.blocks)
+            req.blocks = []
+        if req.sha is not None:
+            self.cache.release(req.sha)
+            req.sha = None
+        elif req.job.adapter is not None and self.cache is not None:
+            self.cache.forget(req.key)
+
+    def _finish(self, req: _Request, reason: str, error: tuple[str, str] | None = None) -> None:
+        if req.done:
+            return
+        req.done = True
+        self._release(req)
+        self._by_handle.pop(id(req.handle), None)
+        if req.text is not None:
+            if reason != "cancelled":
+                req.text.flush()
+            text = req.text.text
+        else:
+            text = ""
+        now = time.perf_counter()
+        job = req.job
+        if error is None:
+            self.metrics.requests_finished += 1
+        elif error[0] == jobs.CANCELLED:
+            self.metrics.requests_cancelled += 1
+        else:
+            self.metrics.requests_failed += 1
+        self.metrics.prompt_tokens += len(req.prompt_ids)
+        req.handle._finish(GenerationResult(
+            request_id=job.request_id,
+            status="ok" if error is None else "error",
+            error_code=None if error is None else error[0],
+            error_message=None if error is None else error[1],
+            token_ids=list(req.out_ids),
+            text=text,
+            finish_reason=reason,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.out_ids),
+            adapter_sha256=job.adapter.sha256 if (job.adapter is not None and req.t_admit is not None) else None,
+            queued_s=((req.t_admit or now) - req.t_submit),
+            first_token_s=None if req.t_first is None else req.t_first - req.t_submit,
+            total_s=now - req.t_submit,
+        ))
+
+    def _fail(self, req: _Request, code: str, message: str) -> None:
+        self._finish(req, None, error=(code, message))
