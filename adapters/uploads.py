@@ -22,8 +22,11 @@ import tempfile
 from typing import BinaryIO, Iterator
 
 from django.conf import settings
+from django.core.files.uploadhandler import FileUploadHandler, StopUpload
 from django.db import transaction
 from django.db.models import Max
+from django.http import QueryDict
+from django.utils.datastructures import MultiValueDict
 
 from .models import Adapter, AdapterVersion
 from .services import AdapterStateError, activate_version
@@ -216,3 +219,62 @@ def _delete_if_unreferenced(key: str) -> None:
             delete_blob(key)
     except Exception:  # database or storage down: an unreferenced orphan is harmless, a lost row is not
         log.exception("could not delete blob %s after a failed upload", key)
+
+
+# --- the HTTP side: stop reading a request body at the cap --------------------------------------
+
+
+class SizeCappedUploadHandler(FileUploadHandler):
+    """First in request.upload_handlers: stops reading the body as soon as one file passes the cap.
+
+    Django otherwise spools a whole multipart body to disk before the view runs, so a 10 GB upload
+    would be read in full only to be refused. Raising StopUpload(connection_reset=True) makes the
+    parser stop reading at once; `upload_cut_error(request)` then says why the file is missing.
+    """
+
+    def __init__(self, request=None, max_bytes: int | None = None):
+        super().__init__(request)
+        self.max_bytes = max_bytes if max_bytes is not None else settings.LORAFLEET_MAX_UPLOAD_BYTES
+        self.received = 0
+
+    def handle_raw_input(self, input_data, META, content_length, boundary, encoding=None):
+        # A declared body far over the cap is refused before a byte of it is read.
+        # Returning (POST, FILES) tells Django the body is handled: nothing is parsed or read.
+        if content_length and content_length > self.max_bytes + MAX_CONFIG_BYTES + 64 * 1024:
+            if self.request is not None:
+                self.request.lorafleet_upload_cut = (WEIGHTS_FILE, self.max_bytes)
+            return QueryDict(encoding=encoding), MultiValueDict()
+        return None
+
+    def new_file(self, *args, **kwargs):
+        super().new_file(*args, **kwargs)
+        self.received = 0
+
+    def receive_data_chunk(self, raw_data, start):
+        self.received += len(raw_data)
+        if self.received > self.max_bytes:
+            self._cut(self.file_name or self.field_name)
+        return raw_data  # hand the chunk on to Django's own (temporary-file) handler
+
+    def file_complete(self, file_size):
+        return None
+
+    def _cut(self, what: str):
+        if self.request is not None:
+            self.request.lorafleet_upload_cut = (what, self.max_bytes)
+        raise StopUpload(connection_reset=True)
+
+
+def cap_upload_size(request, max_bytes: int | None = None) -> None:
+    """Call in a view before touching request.POST/FILES."""
+    request.upload_handlers.insert(0, SizeCappedUploadHandler(request, max_bytes))
+
+
+def upload_cut_error(request) -> AdapterValidationError | None:
+    """The refusal to show when SizeCappedUploadHandler stopped this request's body, else None."""
+    cut = getattr(request, "lorafleet_upload_cut", None)
+    if cut is None:
+        return None
+    what, max_bytes = cut
+    return AdapterValidationError(WEIGHTS_FILE, f"{what} is larger than the upload limit of "
+                                                f"{_human_bytes(max_bytes)}; the upload was stopped.")

@@ -352,3 +352,61 @@ def test_concurrent_uploads_get_distinct_consecutive_numbers(postgres, adapter, 
     assert adapter.active_version.number == 1
     assert adapter.pointer_changes.count() == 1  # only the first to take the lock went live
     assert len(stored_files(blob_dir)) == 2  # two distinct contents, each stored once
+
+
+class _CountingStream:
+    """Wraps a request's body stream and records how much of it the server read."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.consumed = 0
+
+    def read(self, *args):
+        chunk = self.stream.read(*args)
+        self.consumed += len(chunk)
+        return chunk
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _multipart_request(rf, weights: bytes, *, declared_length: int | None = None):
+    request = rf.post("/upload", {
+        "config_file": SimpleUploadedFile("adapter_config.json", b"{}"),
+        "weights_file": SimpleUploadedFile("adapter_model.safetensors", weights),
+    })
+    stream = request._stream = _CountingStream(request._stream)
+    if declared_length is not None:
+        request.META["CONTENT_LENGTH"] = str(declared_length)
+    return request, stream
+
+
+def test_the_http_body_stops_being_read_at_the_cap(rf):
+    """SizeCappedUploadHandler: a multipart body over the cap is not read to its end."""
+    from adapters.uploads import cap_upload_size, upload_cut_error
+
+    request, stream = _multipart_request(rf, b"\0" * (8 * 1024 * 1024))
+    cap_upload_size(request, max_bytes=1024 * 1024)
+    assert "weights_file" not in request.FILES
+    err = upload_cut_error(request)
+    assert err is not None and "upload limit of 1.0 MB" in str(err)
+    assert stream.consumed < 3 * 1024 * 1024  # of 8 MB sent
+
+
+def test_a_declared_length_far_over_the_cap_reads_nothing(rf):
+    from adapters.uploads import cap_upload_size, upload_cut_error
+
+    request, stream = _multipart_request(rf, b"\0" * 1024, declared_length=10 * 1024**3)
+    cap_upload_size(request, max_bytes=1024 * 1024)
+    assert not request.FILES
+    assert upload_cut_error(request) is not None
+    assert stream.consumed == 0
+
+
+def test_a_body_under_the_cap_parses_normally(rf):
+    from adapters.uploads import cap_upload_size, upload_cut_error
+
+    request, _ = _multipart_request(rf, b"\1" * 4096)
+    cap_upload_size(request, max_bytes=1024 * 1024)
+    assert request.FILES["weights_file"].read() == b"\1" * 4096
+    assert upload_cut_error(request) is None
