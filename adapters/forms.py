@@ -51,6 +51,7 @@ class AuditFilterForm(forms.Form):
     def __init__(self, *args, tenant, **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["adapter"].queryset = Adapter.objects.for_tenant(tenant)
+        self.fields["adapter"].label_from_instance = lambda adapter: adapter.name
         status_choices = apps.get_model("gateway", "AuditRecord")._meta.get_field("status").choices
         self.fields["status"].choices = [("", "Any status"), *status_choices]
 

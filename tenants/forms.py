@@ -28,6 +28,7 @@ class ApiKeyCreateForm(forms.Form):
         # adapters depends on tenants, not the other way round: look the model up by name.
         adapter_model = apps.get_model("adapters", "Adapter")
         self.fields["bound_adapter"].queryset = adapter_model.objects.for_tenant(tenant).live()
+        self.fields["bound_adapter"].label_from_instance = lambda adapter: adapter.name
 
     def clean_expires_at(self):
         expires_at = self.cleaned_data.get("expires_at")
