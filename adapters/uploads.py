@@ -30,7 +30,7 @@ from django.utils.datastructures import MultiValueDict
 
 from .models import Adapter, AdapterVersion
 from .services import AdapterStateError, activate_version
-from .storage import BlobStorageError, delete_blob, put_blob
+from .storage import BlobStorageError, blob_exists, blob_sha256, delete_blob, put_blob, storage_key_for
 from .validation import (
     CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, AdapterSpec, AdapterValidationError, parse_config,
     validate_adapter,
@@ -146,8 +146,6 @@ def _refuse_if_deleted(adapter: Adapter) -> None:
 
 def _store(sha256: str, content: BinaryIO) -> tuple[str, bool]:
     """put_blob, turning any storage failure into BlobStorageError and cleaning a half-written key."""
-    from .storage import blob_exists, blob_sha256, storage_key_for
-
     key = storage_key_for(sha256)
     try:
         return put_blob(sha256, content)
