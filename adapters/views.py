@@ -259,8 +259,34 @@ def capacity_page(request: HttpRequest) -> HttpResponse:
         else:
             chart = _capacity_chart(table)
     return render(request, "adapters/capacity.html", {
-        "form": form, "plan": plan, "table": table, "chart": chart, "error": error, "GB": capacity.GB,
+        "form": form, "plan": plan, "chart": chart, "error": error,
+        "figures": _capacity_figures(plan) if plan else [],
+        "rows": [{"plan": p, "fleet": si_bytes(p.fleet_bytes), "kv_left": si_bytes(p.kv_bytes_left)} for p in table or []],
     })
+
+
+def si_bytes(n: int) -> str:
+    """SI units (1 GB = 10**9 bytes), as the capacity planner counts; Django's filesizeformat is binary."""
+    if n < 0:
+        return "−" + si_bytes(-n)
+    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _capacity_figures(plan) -> list[tuple[str, str]]:
+    return [
+        ("LoRA parameters per adapter", f"{plan.lora_params_per_adapter:,}"),
+        ("Bytes per adapter", f"{plan.adapter_bytes:,} ({si_bytes(plan.adapter_bytes)})"),
+        (f"Fleet bytes ({plan.num_adapters:,} adapters)", f"{plan.fleet_bytes:,} ({si_bytes(plan.fleet_bytes)})"),
+        ("Base parameters", f"{plan.base_params:,}"),
+        ("Base bytes", f"{plan.base_bytes:,} ({si_bytes(plan.base_bytes)})"),
+        ("KV bytes per token", f"{plan.kv_bytes_per_token:,}"),
+        (f"KV bytes per {plan.context_len:,}-token sequence", f"{plan.kv_bytes_per_sequence:,} ({si_bytes(plan.kv_bytes_per_sequence)})"),
+        ("KV memory left on the card", f"{plan.kv_bytes_left:,} ({si_bytes(plan.kv_bytes_left)})"),
+        ("Max concurrent sequences", f"{plan.max_concurrent_sequences:,}"),
+    ]
 
 
 def _capacity_chart(table: list) -> dict:
