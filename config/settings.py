@@ -146,7 +146,13 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
     }
     CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", f"file://{_celery_dir / 'results'}")
 else:
-    CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("LORAFLEET_VISIBILITY_TIMEOUT_S", 3600)}
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "visibility_timeout": env_int("LORAFLEET_VISIBILITY_TIMEOUT_S", 3600),
+        # a dead broker host must not hang a connect; jobs of a killed worker come back this often
+        "socket_connect_timeout": 2,
+        "unacked_restore_interval": env_int("LORAFLEET_RESTORE_INTERVAL_S", 10),
+        "unacked_restore_throttle": 1,
+    }
     CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", CELERY_BROKER_URL)
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
@@ -163,6 +169,8 @@ LORAFLEET_DEFAULT_MAX_RANK = env_int("LORAFLEET_DEFAULT_MAX_RANK", 64)
 LORAFLEET_REQUEST_TIMEOUT_S = env_float("LORAFLEET_REQUEST_TIMEOUT_S", 60.0)
 LORAFLEET_MAX_TOKENS_CAP = env_int("LORAFLEET_MAX_TOKENS_CAP", 1024)
 LORAFLEET_WORKER_CONCURRENCY = env_int("LORAFLEET_WORKER_CONCURRENCY", 64)
+# deliveries of one job before it is answered `worker_lost` (a request that kills workers must end)
+LORAFLEET_MAX_ATTEMPTS = env_int("LORAFLEET_MAX_ATTEMPTS", 3)
 
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",

@@ -128,9 +128,12 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
             published.append(exc)
 
     # The job is published only once its pending audit row is committed: no answer without a record.
-    with transaction.atomic():
+    # `durable=True` makes this block the outermost transaction (Django raises if anything wraps it;
+    # the views are non_atomic_requests), so the row is committed when the block exits and the job is
+    # published right after — what on_commit would do, minus the way to defer it past the wait below.
+    with transaction.atomic(durable=True):
         audit.open_pending(draft)
-        transaction.on_commit(publish)
+    publish()
     if published:
         err = queue_unavailable()
         audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=str(published[0]))

@@ -74,8 +74,8 @@ def dispatcher(monkeypatch):
 
 
 @pytest.fixture
-def api(transactional_db, world, tiny_checkpoint, dispatcher):
-    """`world` with a servable base; committed rows, because jobs are published on commit."""
+def api(world, tiny_checkpoint, dispatcher):
+    """`world` with a servable base."""
     BaseModel.objects.filter(pk=world.base.pk).update(
         checkpoint_path=str(tiny_checkpoint), shape_manifest=shape_manifest_from_checkpoint(tiny_checkpoint)
     )

@@ -9,7 +9,7 @@ from gateway.models import AuditRecord
 from gateway.queue import QueueUnavailable
 from inference_worker.jobs import GenerationResult
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
 
 
 def body(**extra) -> dict:
