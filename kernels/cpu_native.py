@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 _SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False

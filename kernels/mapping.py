@@ -18,7 +18,7 @@ class CpuPlan:
     num_short: int  # segments handled by the native kernel
     short_segs: torch.Tensor  # int32 [4, num_short] CPU: starts, lens, slots, ranks (kept alive for the ptrs)
     short_ptrs: tuple[int, int, int, int]  # data pointers of short_segs' rows
-    short_rank_sum: int  # sum of the short segments' ranks (sizes the work)
+    short_rank_sum: int  # sum of the ranks of the distinct slots among short segments (sizes the traffic)
     long_segments: tuple[tuple[int, int, int, int], ...]  # (start, end, slot, rank) handed to BLAS
 
 
@@ -40,7 +40,7 @@ class LoraMapping:
     segments: tuple[tuple[int, int, int, int], ...]  # (start, end, slot, rank) per active segment
     max_seg_len: int  # longest active segment (0 if none); sizes the Triton grid
     max_rank: int  # largest real rank among active segments (0 if none)
-    _cpu_plans: dict = field(default_factory=dict, repr=False)  # long-segment threshold -> CpuPlan
+    _cpu_plans: dict = field(default_factory=dict, repr=False)  # (long segment, chunk) -> CpuPlan
 
     @property
     def num_segments(self) -> int:
@@ -51,11 +51,16 @@ class LoraMapping:
         """True when no token uses an adapter: the whole LoRA term is zero."""
         return not self.segments
 
-    def cpu_plan(self, long_segment: int) -> CpuPlan:
-        """Short segments packed for the native CPU kernel, long ones listed for BLAS; cached."""
-        plan = self._cpu_plans.get(long_segment)
+    def cpu_plan(self, long_segment: int, chunk: int = 16) -> CpuPlan:
+        """Short segments packed for the native CPU kernel, long ones listed for BLAS; cached.
+
+        Short segments longer than `chunk` tokens are cut into chunks, the native kernel's unit of work
+        across threads (each chunk re-reads its adapter's A and B, from cache after the first)."""
+        plan = self._cpu_plans.get((long_segment, chunk))
         if plan is None:
-            short = [seg for seg in self.segments if seg[1] - seg[0] < long_segment]
+            short = [(s0, min(s0 + chunk, e), slot, r)
+                     for s, e, slot, r in self.segments if e - s < long_segment
+                     for s0 in range(s, e, chunk)]
             packed = torch.tensor([[s for s, _, _, _ in short], [e - s for s, e, _, _ in short],
                                    [slot for _, _, slot, _ in short], [r for _, _, _, r in short]],
                                   dtype=torch.int32).reshape(4, len(short))
@@ -63,10 +68,10 @@ class LoraMapping:
                 num_short=len(short),
                 short_segs=packed,
                 short_ptrs=tuple(packed[i].data_ptr() for i in range(4)),
-                short_rank_sum=sum(r for _, _, _, r in short),
+                short_rank_sum=sum({slot: r for _, _, slot, r in short}.values()),
                 long_segments=tuple(seg for seg in self.segments if seg[1] - seg[0] >= long_segment),
             )
-            self._cpu_plans[long_segment] = plan
+            self._cpu_plans[(long_segment, chunk)] = plan
         return plan
 
     @classmethod

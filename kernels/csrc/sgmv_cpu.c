@@ -1,14 +1,14 @@
 /* SGMV on CPU, fp32: out[t] += scale[slot] * B[slot, :, :r] @ (A[slot, :r, :] @ x[t]) per active segment.
  *
- * Built by kernels/cpu_native.py with gcc -O3 -march=native -ffast-math -fopenmp and called through
- * ctypes, so one call covers every segment of a projection (no Python per segment). OpenMP resolves to
- * the libgomp torch already loaded, so both share one thread pool.
- *
- * Two phases over flat lists of work units, each unit touching one slice of one adapter's weights:
- *   shrink: (segment, block of A rows)    -> y[t, j] for the segment's tokens, j < rank
- *   expand: (segment, block of out cols)  -> out[t, n] += scale * sum_j y[t, j] * B[n, j]
+ * Built by kernels/cpu_native.py with gcc -O3 -march=native -ffast-math and called through ctypes, so
+ * one call covers every segment of a projection (no Python per segment). Per segment:
+ *   shrink: y[t, j] = A[slot, j, :] . x[t]                for the segment's tokens, j < rank
+ *   expand: out[t, n] += scale * sum_j y[t, j] * B[n, j]  (gathers for small ranks, row dots above)
  * Work and memory traffic are proportional to each slot's real rank; tokens without adapter never appear.
  */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __AVX512F__
@@ -17,7 +17,6 @@
 
 #define TB 4          /* tokens per register block */
 #define ROWS 4        /* A rows per shrink unit */
-#define COLS 256      /* out columns per expand unit */
 #define PREFETCH_ROWS 8  /* B rows read ahead in the expand */
 #define GATHER_PREFETCH 32  /* B rows prefetched ahead by the gather expand */
 #define GATHER_MAX_RANK 8  /* expand ranks up to this by column gathers; measured faster than rows up to 8 */
@@ -153,47 +152,118 @@ static void expand_unit_rows(const float *y, int64_t sy, const float *b, int64_t
 }
 #endif
 
-/* y: scratch [T, sy] fp32. nthreads <= 1 runs on the calling thread only. */
+typedef struct {
+    const int32_t *starts, *lens, *slots, *ranks;
+    const float *x, *a, *b, *scales;
+    float *out, *y;
+    int64_t sx, sas, sar, sbs, sbn, so, sy, d_in, d_out;
+} sgmv_args;
+
+static void shrink_segment_rows(const sgmv_args *p, int64_t g, int j0, int nrows) {
+    shrink_unit(p->x + (int64_t)p->starts[g] * p->sx, p->sx, p->a + (int64_t)p->slots[g] * p->sas + j0 * p->sar,
+                p->sar, nrows, p->y + (int64_t)p->starts[g] * p->sy + j0, p->sy, p->lens[g], p->d_in);
+}
+
+static void expand_segment_cols(const sgmv_args *p, int64_t g, int64_t n0, int64_t ncols) {
+    const float *y = p->y + (int64_t)p->starts[g] * p->sy;
+    const float *b = p->b + (int64_t)p->slots[g] * p->sbs + n0 * p->sbn;
+    float *out = p->out + (int64_t)p->starts[g] * p->so + n0;
+    float scale = p->scales[p->slots[g]];
+#ifdef __AVX512F__
+    if (p->ranks[g] <= GATHER_MAX_RANK)
+        expand_unit_gather(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], ncols, scale);
+    else
+        expand_unit_rows(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], ncols, scale);
+#else
+    expand_unit(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], ncols, scale);
+#endif
+}
+
+static void run_segment(const sgmv_args *p, int64_t g) {
+    shrink_segment_rows(p, g, 0, p->ranks[g]);
+    expand_segment_cols(p, g, 0, p->d_out);
+}
+
+/* ---- helper threads -------------------------------------------------------------------------------
+ * Why not OpenMP: on a machine shared with other processes, an OpenMP region ends in a barrier that
+ * waits for every team thread, including one the scheduler has not run yet (measured: tens of ms per
+ * call under load). Here the calling thread never waits for a helper that has not started: it claims
+ * segments from a shared counter like the helpers do, and at the end waits only for segments a helper
+ * has actually claimed. A helper that wakes late finds no work and sleeps again. After fork() the
+ * helpers are gone and the caller simply does all the work. */
+typedef struct {
+    sgmv_args p;
+    int64_t G;
+    atomic_long next;    /* next unclaimed segment */
+    atomic_int active;   /* helpers inside this job */
+} sgmv_job;
+
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static sgmv_job *pool_job = NULL;
+static long pool_generation = 0;
+static int pool_helpers = 0;
+
+static void work_on(sgmv_job *job) {
+    for (int64_t g = atomic_fetch_add(&job->next, 1); g < job->G; g = atomic_fetch_add(&job->next, 1))
+        run_segment(&job->p, g);
+}
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    long seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool_mu);
+        while (pool_job == NULL || pool_generation == seen) pthread_cond_wait(&pool_cv, &pool_mu);
+        sgmv_job *job = pool_job;
+        seen = pool_generation;
+        atomic_fetch_add(&job->active, 1);  /* under the lock: the caller cannot retire the job now */
+        pthread_mutex_unlock(&pool_mu);
+        work_on(job);
+        atomic_fetch_sub(&job->active, 1);
+    }
+    return NULL;
+}
+
+static void ensure_helpers(int wanted) {
+    pthread_mutex_lock(&pool_mu);
+    while (pool_helpers < wanted) {
+        pthread_t tid;
+        if (pthread_create(&tid, NULL, helper_main, NULL) != 0) break;
+        pthread_detach(tid);
+        pool_helpers++;
+    }
+    pthread_mutex_unlock(&pool_mu);
+}
+
+/* y: scratch [T, sy] fp32. One unit of work is a whole segment (its shrink then its expand), so units
+ * never wait on each other. nthreads <= 1 runs on the calling thread only. */
 void sgmv_add_f32(int64_t G, const int32_t *starts, const int32_t *lens, const int32_t *slots,
                   const int32_t *ranks, const float *x, int64_t sx, const float *a, int64_t sas,
                   int64_t sar, const float *b, int64_t sbs, int64_t sbn, float *out, int64_t so,
                   const float *scales, float *y, int64_t sy, int64_t d_in, int64_t d_out, int nthreads) {
-    /* units: shrink units per segment = ceil(rank / ROWS); expand units = ceil(d_out / COLS) */
-    int64_t n_shrink = 0, n_expand_per = (d_out + COLS - 1) / COLS;
-    for (int64_t g = 0; g < G; g++) n_shrink += (ranks[g] + ROWS - 1) / ROWS;
-    int64_t n_expand = G * n_expand_per;
-    if (nthreads < 1) nthreads = 1;
-
-    #pragma omp parallel num_threads(nthreads) if(nthreads > 1)
-    {
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < n_shrink; u++) {
-            /* find the segment of unit u (G is small; a linear scan is cheaper than a table) */
-            int64_t g = 0, first = 0;
-            while (first + (ranks[g] + ROWS - 1) / ROWS <= u) { first += (ranks[g] + ROWS - 1) / ROWS; g++; }
-            int j0 = (int)(u - first) * ROWS;
-            int nrows = (int)min64(ROWS, ranks[g] - j0);
-            shrink_unit(x + (int64_t)starts[g] * sx, sx, a + (int64_t)slots[g] * sas + j0 * sar, sar, nrows,
-                        y + (int64_t)starts[g] * sy + j0, sy, lens[g], d_in);
-        }
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < n_expand; u++) {
-            int64_t g = u / n_expand_per, n0 = (u % n_expand_per) * COLS;
-#ifdef __AVX512F__
-            if (ranks[g] <= GATHER_MAX_RANK) {
-                expand_unit_gather(y + (int64_t)starts[g] * sy, sy, b + (int64_t)slots[g] * sbs + n0 * sbn, sbn,
-                                   ranks[g], out + (int64_t)starts[g] * so + n0, so, lens[g],
-                                   min64(COLS, d_out - n0), scales[slots[g]]);
-                continue;
-            }
-            expand_unit_rows(y + (int64_t)starts[g] * sy, sy, b + (int64_t)slots[g] * sbs + n0 * sbn, sbn,
-                             ranks[g], out + (int64_t)starts[g] * so + n0, so, lens[g],
-                             min64(COLS, d_out - n0), scales[slots[g]]);
-            continue;
-#endif
-            expand_unit(y + (int64_t)starts[g] * sy, sy, b + (int64_t)slots[g] * sbs + n0 * sbn, sbn, ranks[g],
-                        out + (int64_t)starts[g] * so + n0, so, lens[g], min64(COLS, d_out - n0),
-                        scales[slots[g]]);
-        }
+    sgmv_args p = {starts, lens, slots, ranks, x, a, b, scales, out, y,
+                   sx, sas, sar, sbs, sbn, so, sy, d_in, d_out};
+    if (nthreads <= 1 || G <= 1) {
+        for (int64_t g = 0; g < G; g++) run_segment(&p, g);
+        return;
     }
+    ensure_helpers(nthreads - 1);
+    sgmv_job job;
+    job.p = p;
+    job.G = G;
+    atomic_init(&job.next, 0);
+    atomic_init(&job.active, 0);
+    pthread_mutex_lock(&pool_mu);
+    pool_job = &job;
+    pool_generation++;
+    pthread_cond_broadcast(&pool_cv);
+    pthread_mutex_unlock(&pool_mu);
+
+    work_on(&job);
+
+    pthread_mutex_lock(&pool_mu);
+    pool_job = NULL;  /* no helper can join from here on */
+    pthread_mutex_unlock(&pool_mu);
+    while (atomic_load(&job.active) > 0) sched_yield();  /* only helpers mid-segment */
 }

@@ -116,3 +116,22 @@ def test_the_native_cpu_kernel_builds_and_serves_decode_batches(monkeypatch):
     out = torch.zeros(4, 24)
     add_lora(out, torch.randn(4, 40), a, b, LoraMapping.build([0, 1, 1, 2], [4, 32, 9]), torch.ones(3))
     assert calls == [] and out.abs().sum() > 0
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler on this machine")
+def test_the_native_kernel_agrees_when_it_splits_segments_across_threads(monkeypatch):
+    """Big batches run on helper threads; many back-to-back calls must neither race nor hang."""
+    from kernels import cpu
+
+    monkeypatch.setattr(cpu, "PARALLEL_BYTES", 0)  # use the helpers even for these small shapes
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    g = torch.Generator().manual_seed(3)
+    a, b = stacks(num_slots=6, r_max=20, d_in=72, d_out=40, seed=3)
+    ranks = [1, 20, 7, 16, 0, 9]
+    for trial in range(200):
+        slots = torch.randint(-1, 6, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g)
+        mapping = LoraMapping.build(slots.sort().values.int(), ranks)
+        x = torch.randn(len(slots), 72, generator=g)
+        out = torch.randn(len(slots), 40, generator=g)
+        expected = add_lora_reference(out.clone(), x, a, b, mapping, torch.ones(6))
+        torch.testing.assert_close(add_lora(out, x, a, b, mapping, torch.ones(6)), expected, rtol=1e-4, atol=1e-4)
