@@ -7,6 +7,7 @@ one call to a service (adapters/services.py, adapters/uploads.py).
 """
 from __future__ import annotations
 
+import logging
 from datetime import datetime, time, timedelta
 
 from django.apps import apps
@@ -24,6 +25,8 @@ from .forms import ActivateForm, AdapterCreateForm, AuditFilterForm, CapacityFor
 from .models import Adapter, AdapterVersion, VersionPointerChange
 from .storage import BlobStorageError
 from .validation import AdapterValidationError
+
+log = logging.getLogger(__name__)
 
 
 def _live_adapter(request: HttpRequest, pk: int) -> Adapter:
@@ -138,6 +141,7 @@ def upload(request: HttpRequest, pk: int) -> HttpResponse:
             except AdapterValidationError as err:
                 error = {"field": err.field, "message": str(err)}
             except BlobStorageError:
+                log.exception("storing a new version of adapter %s failed", adapter.pk)
                 error = {"field": "storage", "message": "Storing the weights failed on our side; nothing was "
                          "recorded. Please try again in a minute."}
             else:
@@ -154,10 +158,12 @@ def upload(request: HttpRequest, pk: int) -> HttpResponse:
         else:
             missing = next(iter(form.errors))
             error = {"field": missing, "message": f"{form.fields[missing].label}: {form.errors[missing][0]}"}
+        status = 503 if error["field"] == "storage" else 400  # our failure, not the upload's
         if _wants_json(request):
-            return JsonResponse({"ok": False, "field": error["field"], "error": error["message"]}, status=400)
-    return render(request, "adapters/upload.html", {"adapter": adapter, "form": form, "error": error},
-                  status=400 if error else 200)
+            return JsonResponse({"ok": False, "field": error["field"], "error": error["message"]}, status=status)
+        return render(request, "adapters/upload.html", {"adapter": adapter, "form": form, "error": error},
+                      status=status)
+    return render(request, "adapters/upload.html", {"adapter": adapter, "form": form, "error": None})
 
 
 @tenant_view(write=True)

@@ -398,3 +398,17 @@ def test_capacity_page_works_for_a_registered_base_and_by_default(as_alice, real
         "adapters": 10, "gpu_gb": 1, "context_len": 256,
     })
     assert b"Tiny Llama" in response.content and b"FITS" in response.content
+
+
+def test_a_storage_failure_is_our_503_not_a_refusal(as_alice, real_base, dash_files, upload_files, monkeypatch):
+    import adapters.uploads
+    from adapters.storage import BlobStorageError
+
+    def broken(*args, **kwargs):
+        raise BlobStorageError("S3 is down")
+
+    monkeypatch.setattr(adapters.uploads, "create_adapter_version", broken)
+    response = as_alice.post(reverse("adapters:upload", args=[real_base.writer.pk]), upload_files(dash_files.good1),
+                             HTTP_ACCEPT="application/json")
+    assert response.status_code == 503 and "try again" in response.json()["error"]
+    assert "S3" not in response.json()["error"]  # internals stay in the server log
