@@ -141,11 +141,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, hd]; cos/sin: [T, 1, hd]. The rotate-half convention of HF Llama checkpoints."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd]; cos, sin_signed: [T, 1, hd]. HF's rotate-half convention:
+    x * cos + rotate_half(x) * sin, with rotate_half's negation folded into sin_signed = [-sin, sin]
+    (exactly equal, one op fewer)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 @dataclass
@@ -182,7 +184,7 @@ class StepContext:
     """Everything computed once per forward and reused by every layer."""
 
     cos: torch.Tensor  # [T, 1, hd]
-    sin: torch.Tensor  # [T, 1, hd]
+    sin: torch.Tensor  # [T, 1, hd], signed: [-sin, sin] (see apply_rope)
     write_rows: torch.Tensor  # int64 [T] KV row of each new token
     decode: _Decode | None
     prefills: list[_Prefill]
@@ -227,8 +229,9 @@ class Block:
             lora.add(qkv[:, :q_end], h, layer, "q_proj")
             lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
             lora.add(qkv[:, k_end:], h, layer, "v_proj")
-        q = apply_rope(qkv[:, :q_end].view(T, cfg.num_heads, cfg.head_dim), ctx.cos, ctx.sin)  # [T, H, hd]
-        k = apply_rope(qkv[:, q_end:k_end].view(T, cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        # q and k rotated in one go: [T, H + KV, hd]
+        qk = apply_rope(qkv[:, :k_end].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]  # [T, H, hd], [T, KV, hd]
         v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, hd]
         kv = self.runner.kv
         kv.write(layer, ctx.write_rows, k, v)
@@ -329,7 +332,7 @@ class ModelRunner:
         freqs = torch.outer(pos, inv_freq)  # [P, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
         self.rope_cos = emb.cos().to(self.dtype).to(self.device)
-        self.rope_sin = emb.sin().to(self.dtype).to(self.device)
+        self.rope_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(self.dtype).to(self.device)
 
         if num_kv_blocks is None:
             # Enough for 64 sequences of the full context, capped at 1 GiB of cache.
