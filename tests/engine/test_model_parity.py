@@ -252,3 +252,27 @@ def test_mistral_sliding_window_matches_transformers(tiny_mistral, tmp_path):
     with torch.no_grad():
         theirs = model(torch.tensor([prompt + [5]])).logits[0, -1]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_make_tiny_base_writes_a_deterministic_checkpoint_that_transformers_loads(tmp_path):
+    from django.core.management import call_command
+    from transformers import AutoTokenizer
+
+    args = ["--arch", "qwen2", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--layers", "3",
+            "--intermediate", "48", "--vocab", "400"]
+    call_command("make_tiny_base", str(tmp_path / "a"), "--seed", "5", *args)
+    call_command("make_tiny_base", str(tmp_path / "b"), "--seed", "5", *args)
+    call_command("make_tiny_base", str(tmp_path / "c"), "--seed", "6", *args)
+    weights = {n: (tmp_path / n / "model.safetensors").read_bytes() for n in "abc"}
+    assert weights["a"] == weights["b"] != weights["c"]
+
+    model = hf_model(tmp_path / "a")
+    assert (model.config.model_type, model.config.hidden_size, model.config.num_hidden_layers) == ("qwen2", 32, 3)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
+    text = "Hello, how are you? I am going to the park."
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None and tok.bos_token is not None
+    assert tok.eos_token_id in ModelRunner(tmp_path / "a", num_kv_blocks=4).config.eos_token_ids
