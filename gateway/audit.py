@@ -29,6 +29,7 @@ class AuditDraft:
     tenant: object = None
     key_prefix: str = ""
     target: object = None  # gateway.binding.Target
+    refused_adapter: object = None  # the caller's adapter when binding refused it (deleted, not ready)
     prompt_text: str | None = None
     record_id: int | None = None
 
@@ -40,6 +41,10 @@ class AuditDraft:
             if target.adapter is not None:
                 row.update(adapter=target.adapter, adapter_name=target.adapter.name, version=target.version,
                            version_number=target.version.number, expected_sha256=target.version.sha256)
+        elif self.refused_adapter is not None:
+            adapter = self.refused_adapter
+            row.update(adapter=adapter, adapter_name=adapter.name, base_model=adapter.base,
+                       base_slug=adapter.base.slug, base_sha256=adapter.base.sha256)
         if self.prompt_text is not None and self.tenant is not None and self.tenant.audit_store_text_hashes:
             row["prompt_sha256"] = sha256_text(self.prompt_text)
         return row

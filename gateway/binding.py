@@ -78,16 +78,20 @@ def _resolve_bound(key, model: str) -> Target:
 
 
 def _resolve_version(adapter: Adapter, number: int | None, model: str) -> Target:
+    err = None
     if adapter.is_deleted:
-        raise adapter_deleted(adapter.name)
-    if number is None:
+        err = adapter_deleted(adapter.name)
+    elif number is None:
         version = adapter.active_version
         if version is None:
-            raise adapter_not_ready(adapter.name)
+            err = adapter_not_ready(adapter.name)
     else:
         version = AdapterVersion.objects.filter(adapter=adapter, number=number).first()
         if version is None:
-            raise adapter_not_found(model)
+            err = adapter_not_found(model)
+    if err is not None:
+        err.adapter = adapter  # the caller's own adapter: the audit row names it
+        raise err
     return Target(base=adapter.base, adapter=adapter, version=version)
 
 

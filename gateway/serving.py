@@ -57,6 +57,7 @@ def serve(request, *, route: str, chat: bool) -> HttpResponse:
                                      error_message=f"{err.reason}: {err.message}")
             return _error(draft, err)
         except ApiError as err:
+            draft.refused_adapter = getattr(err, "adapter", None)
             if draft.tenant is not None and draft.record_id is None:
                 audit.record_refusal(draft, http_status=err.status, error_code=err.code, error_message=err.message)
             return _error(draft, err)

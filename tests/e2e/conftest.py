@@ -90,7 +90,7 @@ class Proc:
             except ProcessLookupError:
                 pass
             try:
-                self.popen.wait(timeout=15)
+                self.popen.wait(timeout=8)
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(timeout=5)
