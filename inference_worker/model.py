@@ -166,6 +166,7 @@ class _Prefill:
 
     first: int  # index of its first token in the step's flat token list
     n: int  # tokens in this chunk
+    start_pos: int  # positions already in the cache before this chunk
     rows: torch.Tensor  # int64 [start_pos + n], KV rows of positions 0..start_pos+n-1
     masks: dict[int | None, torch.Tensor]  # window -> bool [n, start_pos + n], True = may attend
 
@@ -176,7 +177,7 @@ class _Decode:
 
     index: torch.Tensor | None  # int64 [B] their token indices, None when the whole step is decode
     rows: torch.Tensor  # int64 [B, L] KV rows (padding points anywhere, masked)
-    masks: dict[int | None, torch.Tensor]  # window -> additive float [B, 1, L]: 0 or -inf
+    masks: dict[int | None, torch.Tensor | None]  # window -> additive float [B, 1, L] (0 / -inf), or None
 
 
 @dataclass
@@ -235,7 +236,7 @@ class Block:
         v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, hd]
         kv = self.runner.kv
         kv.write(layer, ctx.write_rows, k, v)
-        y = self.attend(q, ctx)  # [T, q_dim]
+        y = self.attend(q, k, v, ctx)  # [T, q_dim]
         o = F.linear(y, self.w_o, self.b_o)  # [T, hidden]
         if lora is not None:
             lora.add(o, y, layer, "o_proj")
@@ -253,8 +254,8 @@ class Block:
             lora.add(d, a, layer, "down_proj")
         return x + d
 
-    def attend(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """q: [T, H, hd] (already rotated; the step's keys are already in the cache) -> [T, H * hd]."""
+    def attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """q: [T, H, hd], k_new/v_new: [T, KV, hd] (the step's own, already written to the cache) -> [T, H * hd]."""
         cfg = self.cfg
         T, H, hd = q.shape
         KV, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
@@ -267,7 +268,11 @@ class Block:
             idx = ctx.decode.index
             out.index_copy_(0, idx, self._attend_decode(q.index_select(0, idx), ctx.decode, scale))
         for p in ctx.prefills:
-            k, v = kv.gather(self.layer, p.rows)  # [KV, L, hd]
+            if p.start_pos == 0:  # a whole-prompt chunk: its keys are all in hand, no gather needed
+                k = k_new[p.first:p.first + p.n].transpose(0, 1)  # [KV, n, hd]
+                v = v_new[p.first:p.first + p.n].transpose(0, 1)
+            else:
+                k, v = kv.gather(self.layer, p.rows)  # [KV, L, hd]
             qp = q[p.first:p.first + p.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             yp = F.scaled_dot_product_attention(qp, k.unsqueeze(0), v.unsqueeze(0),
                                                 attn_mask=p.masks[self.window], scale=scale,
@@ -287,12 +292,12 @@ class Block:
         KV, g = cfg.num_kv_heads, H // cfg.num_kv_heads
         L = d.rows.shape[1]
         q4 = q.view(B, KV, g, hd).transpose(0, 1)  # [KV, B, g, hd]
-        mask = d.masks[self.window]  # [B, 1, L]
+        mask = d.masks[self.window]  # [B, 1, L] or None
         chunk = B if q.is_cuda else max(1, (1 << 20) // (2 * KV * L * hd * q.element_size()))
         ys = []
         for c in range(0, B, chunk):
             k, v = self.runner.kv.gather(self.layer, d.rows[c:c + chunk])  # [KV, C, L, hd]
-            ys.append(F.scaled_dot_product_attention(q4[:, c:c + chunk], k, v, attn_mask=mask[c:c + chunk],
+            ys.append(F.scaled_dot_product_attention(q4[:, c:c + chunk], k, v, attn_mask=None if mask is None else mask[c:c + chunk],
                                                      scale=scale))  # [KV, C, g, hd]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [KV, B, g, hd]
         return y.transpose(0, 1).reshape(B, H * hd)
@@ -439,8 +444,9 @@ class ModelRunner:
                 ok = p.unsqueeze(0) <= q_pos
                 if wdw is not None:
                     ok &= p.unsqueeze(0) > q_pos - wdw
-                masks[wdw] = torch.zeros(ok.shape, dtype=self.dtype, device=dev).masked_fill_(
-                    ~ok, float("-inf")).unsqueeze(1)  # [B, 1, L]
+                # None when nothing is masked (equal lengths, no window): SDPA then skips its mask checks.
+                masks[wdw] = None if bool(ok.all()) else torch.zeros(
+                    ok.shape, dtype=self.dtype, device=dev).masked_fill_(~ok, float("-inf")).unsqueeze(1)  # [B, 1, L]
             whole = not prefill_specs
             index = None if whole else torch.tensor(decode_idx, dtype=torch.int64, device=dev)
             decode = _Decode(index=index, rows=rows, masks=masks)
@@ -458,7 +464,7 @@ class ModelRunner:
                 if wdw is not None:
                     ok = ok & (k_pos > q_pos - wdw)
                 masks[wdw] = ok  # [n, L]
-            prefills.append(_Prefill(first=first, n=n, rows=rows, masks=masks))
+            prefills.append(_Prefill(first=first, n=n, start_pos=s.start_pos, rows=rows, masks=masks))
 
         lora = self.lora.mapping(slots) if self.lora is not None else None
         if self.lora is None and any(s >= 0 for s in slots):
