@@ -5,8 +5,6 @@ activate, delete, or manage keys and members (403 with a sentence naming his rol
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 from django.urls import reverse
 
