@@ -1,0 +1,245 @@
+"""Engine throughput on a fleet workload, side by side with Hugging Face and PEFT, in one run.
+
+    .venv/bin/python bench/engine.py [--models tiny,mid] [--peft-requests 64] [--workdir /tmp/lorafleet-bench]
+
+Workload (DESIGN.md "Performance targets"): 64 concurrent requests, 64-token prompts, 64 new tokens each
+(EOS ignored so every system generates the same number of tokens), adapters drawn Zipf(1.1) over 100
+adapters of r=16 on all seven projections. Every figure is generated tokens per wall-clock second,
+prefill included, measured in this process on this machine:
+
+- lorafleet base-only      the engine, every request on the base model
+- lorafleet mixed          the engine, every request on its Zipf-drawn adapter (adapters already resident:
+                           the fleet's steady state; cold loads are measured by bench/adapter_load.py)
+- lorafleet LoRA-disabled  the engine on a runner built with enable_lora=False, base-only requests
+- HF generate base-only    transformers' generate, the 64 prompts as one batch, greedy
+- PEFT mixed               PEFT's generate(adapter_names=[...]) over the same 64 requests as one batch
+- roofline                 the model's linear-layer FLOPs per token against fp32 GEMM FLOP/s measured now
+                           on the model's own weight shapes with 64 rows (the decode batch)
+
+Adapters: one adapter is made with PEFT (inference_worker.peft_factory) for its adapter_config.json and
+tensor names; the other 99 reuse that config with fresh random tensors of the same names and shapes
+(making 100 with PEFT would reload the base 100 times). PEFT loads only the adapters the workload draws.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inference_worker.engine import Engine  # noqa: E402
+from inference_worker.jobs import AdapterRef, GenerationJob  # noqa: E402
+from inference_worker.model import ModelRunner  # noqa: E402
+from inference_worker.peft_factory import make_random_peft_adapter  # noqa: E402
+from inference_worker.tiny_base import build_tiny_base  # noqa: E402
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODELS = {
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
+    "mid": dict(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816),
+}
+N_REQUESTS, PROMPT_LEN, NEW_TOKENS, N_ADAPTERS, RANK, ZIPF_S = 64, 64, 64, 100, 16, 1.1
+
+
+def build_model(workdir: Path, name: str) -> Path:
+    out = workdir / f"base-{name}"
+    if not (out / "model.safetensors").exists():
+        build_tiny_base(out, arch="llama", seed=0, **MODELS[name])
+    return out
+
+
+def build_adapters(workdir: Path, base: Path, name: str) -> list[Path]:
+    root = workdir / f"adapters-{name}"
+    dirs = [root / f"a{i:03d}" for i in range(N_ADAPTERS)]
+    if all((d / "adapter_model.safetensors").exists() for d in dirs):
+        return dirs
+    shutil.rmtree(root, ignore_errors=True)
+    first = make_random_peft_adapter(base, dirs[0], r=RANK, alpha=32, target_modules=ALL_TARGETS, seed=0)
+    from safetensors.torch import load_file, save_file
+
+    template = load_file(str(first / "adapter_model.safetensors"))
+    for i, d in enumerate(dirs[1:], start=1):
+        d.mkdir(parents=True)
+        shutil.copy(first / "adapter_config.json", d / "adapter_config.json")
+        g = torch.Generator().manual_seed(i)
+        # Same scale as the factory: std 1/sqrt(fan_in) for A and B.
+        save_file({k: torch.randn(v.shape, generator=g) / v.shape[1] ** 0.5 for k, v in template.items()},
+                  str(d / "adapter_model.safetensors"))
+    return dirs
+
+
+def workload(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(10, vocab, size=(N_REQUESTS, PROMPT_LEN)).tolist()
+    p = 1.0 / np.arange(1, N_ADAPTERS + 1) ** ZIPF_S
+    adapters = rng.choice(N_ADAPTERS, size=N_REQUESTS, p=p / p.sum()).tolist()
+    return prompts, adapters
+
+
+def gemm_roofline(cfg, rows: int = N_REQUESTS) -> tuple[float, float]:
+    """(fp32 GEMM FLOP/s on the model's weight shapes, linear FLOPs per token)."""
+    h, i, q, kv, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, \
+        cfg.num_kv_heads * cfg.head_dim, cfg.vocab_size
+    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]  # fused qkv, o, fused gate/up, down
+    per_layer = sum(a * b for a, b in shapes)
+    flops_per_token = 2 * (cfg.num_layers * per_layer + h * v)
+    ws = [torch.randn(o, n) for n, o in shapes] + [torch.randn(v, h)]
+    xs = [torch.randn(rows, w.shape[1]) for w in ws]
+    for _ in range(3):
+        for x, w in zip(xs, ws):
+            torch.nn.functional.linear(x, w)
+    reps, best = 20, float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            for layer in range(cfg.num_layers):
+                for x, w in zip(xs[:-1], ws[:-1]):
+                    torch.nn.functional.linear(x, w)
+            torch.nn.functional.linear(xs[-1], ws[-1])
+        best = min(best, (time.perf_counter() - t) / reps)
+    return rows * flops_per_token / best, flops_per_token
+
+
+def run_engine(base: Path, prompts, adapter_of, refs, blobs, *, enable_lora: bool, slots: int) -> dict:
+    runner = ModelRunner(base, num_kv_blocks=N_REQUESTS * (PROMPT_LEN + NEW_TOKENS) // 16 + 64,
+                         max_lora_slots=slots, max_lora_rank=RANK, enable_lora=enable_lora)
+    engine = Engine(runner, blobs.__getitem__, max_running=N_REQUESTS, prefill_chunk=512).start()
+
+    def jobs(tag, new_tokens=NEW_TOKENS):
+        return [GenerationJob(f"{tag}{k}", refs[adapter_of[k]] if adapter_of else None, prompt_token_ids=p,
+                              max_tokens=new_tokens, temperature=0.0, ignore_eos=True) for k, p in enumerate(prompts)]
+
+    try:
+        for h in [engine.submit(j) for j in jobs("warm", 2)]:  # warm-up: loads the adapters, first-call costs
+            assert h.result(600).ok
+        s0 = engine.stats()
+        t = time.perf_counter()
+        results = [h.result(600) for h in [engine.submit(j) for j in jobs("run")]]
+        wall = time.perf_counter() - t
+        s1 = engine.stats()
+    finally:
+        engine.stop()
+    assert all(r.ok for r in results), [r.error_message for r in results if not r.ok][:3]
+    steps = s1["steps"] - s0["steps"]
+    return {
+        "tok_s": sum(r.completion_tokens for r in results) / wall,
+        "wall_s": wall,
+        "mean_batch": (s1["batch_size_sum"] - s0["batch_size_sum"]) / steps,
+        "mean_distinct_adapters": (s1["distinct_adapters_sum"] - s0["distinct_adapters_sum"]) / steps,
+        "forward_share": (s1["forward_seconds"] - s0["forward_seconds"]) / wall,
+        "tokens": [r.token_ids for r in results],
+    }
+
+
+def run_hf(base: Path, prompts, adapter_of=None, adapter_dirs=None, requests: int = N_REQUESTS) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    kwargs = {}
+    if adapter_of is not None:
+        from peft import PeftModel
+
+        used = sorted(set(adapter_of[:requests]))
+        model = PeftModel.from_pretrained(model, str(adapter_dirs[used[0]]), adapter_name=f"a{used[0]}")
+        for a in used[1:]:
+            model.load_adapter(str(adapter_dirs[a]), adapter_name=f"a{a}")
+        model.eval()
+        kwargs["adapter_names"] = [f"a{a}" for a in adapter_of[:requests]]
+    ids = torch.tensor(prompts[:requests])
+    gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+               attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.inference_mode():
+        warm = dict(gen, max_new_tokens=2, min_new_tokens=2)
+        model.generate(ids[:4], **{**warm, "attention_mask": torch.ones_like(ids[:4])},
+                       **({"adapter_names": kwargs["adapter_names"][:4]} if kwargs else {}))
+        t = time.perf_counter()
+        out = model.generate(ids, **gen, **kwargs)
+        wall = time.perf_counter() - t
+    new = out[:, ids.shape[1]:]
+    return {"tok_s": new.numel() / wall, "wall_s": wall, "tokens": new.tolist(), "requests": requests}
+
+
+def bench_model(name: str, workdir: Path, peft_requests: int) -> dict:
+    print(f"\n== {name} model {MODELS[name]} ==", flush=True)
+    base = build_model(workdir, name)
+    dirs = build_adapters(workdir, base, name)
+    blobs, refs = {}, []
+    for i, d in enumerate(dirs):
+        blob = (d / "adapter_model.safetensors").read_bytes()
+        blobs[f"a{i}"] = blob
+        refs.append(AdapterRef(version_id=i, sha256=hashlib.sha256(blob).hexdigest(), storage_key=f"a{i}",
+                               rank=RANK, alpha=32.0, use_rslora=False, target_modules=list(ALL_TARGETS)))
+    cfg = ModelRunner(base, num_kv_blocks=1, max_lora_slots=1, enable_lora=False).config
+    prompts, adapter_of = workload(cfg.vocab_size)
+    distinct = len(set(adapter_of))
+    print(f"workload: {N_REQUESTS} requests x ({PROMPT_LEN} prompt + {NEW_TOKENS} new) tokens, "
+          f"{distinct} distinct adapters of {N_ADAPTERS} (Zipf {ZIPF_S}), r={RANK}, all seven projections", flush=True)
+    gemm, flops_tok = gemm_roofline(cfg)
+    roofline = gemm / flops_tok
+    print(f"roofline: {flops_tok / 1e6:.1f} MFLOP/token, fp32 GEMM {gemm / 1e9:.1f} GFLOP/s -> {roofline:.0f} tok/s",
+          flush=True)
+
+    r = {"model": name, "distinct_adapters": distinct, "gemm_gflops": gemm / 1e9, "roofline_tok_s": roofline}
+    r["base"] = run_engine(base, prompts, None, refs, blobs, enable_lora=True, slots=distinct)
+    print(f"lorafleet base-only      {r['base']['tok_s']:8.1f} tok/s  (mean batch {r['base']['mean_batch']:.1f})", flush=True)
+    r["mixed"] = run_engine(base, prompts, adapter_of, refs, blobs, enable_lora=True, slots=distinct)
+    print(f"lorafleet mixed          {r['mixed']['tok_s']:8.1f} tok/s  (mean distinct adapters per step "
+          f"{r['mixed']['mean_distinct_adapters']:.1f})", flush=True)
+    r["nolora"] = run_engine(base, prompts, None, refs, blobs, enable_lora=False, slots=1)
+    print(f"lorafleet LoRA-disabled  {r['nolora']['tok_s']:8.1f} tok/s", flush=True)
+    r["hf"] = run_hf(base, prompts)
+    print(f"HF generate base-only    {r['hf']['tok_s']:8.1f} tok/s", flush=True)
+    r["peft"] = run_hf(base, prompts, adapter_of, dirs, requests=peft_requests)
+    print(f"PEFT generate mixed      {r['peft']['tok_s']:8.1f} tok/s  ({peft_requests} requests, "
+          f"{len(set(adapter_of[:peft_requests]))} adapters)", flush=True)
+
+    same_base = sum(a == b for a, b in zip(r["base"]["tokens"], r["hf"]["tokens"]))
+    same_mixed = sum(a == b for a, b in zip(r["mixed"]["tokens"], r["peft"]["tokens"]))
+    ratios = {
+        "base_vs_roofline": r["base"]["tok_s"] / roofline,
+        "hf_vs_roofline": r["hf"]["tok_s"] / roofline,
+        "peft_vs_roofline": r["peft"]["tok_s"] / roofline,
+        "mixed_vs_base": r["mixed"]["tok_s"] / r["base"]["tok_s"],
+        "mixed_vs_peft": r["mixed"]["tok_s"] / r["peft"]["tok_s"],
+        "base_vs_hf": r["base"]["tok_s"] / r["hf"]["tok_s"],
+        "lora_enabled_base_vs_disabled": r["base"]["tok_s"] / r["nolora"]["tok_s"],
+    }
+    goals = {"base_vs_roofline": 0.70, "mixed_vs_base": 0.85, "mixed_vs_peft": 2.0, "lora_enabled_base_vs_disabled": 0.97}
+    for k, v in ratios.items():
+        goal = f"  (goal >= {goals[k]:.2f}: {'met' if v >= goals[k] else 'MISSED'})" if k in goals else ""
+        print(f"{k:32s} {v:6.2f}{goal}", flush=True)
+    print(f"greedy tokens equal to HF (base): {same_base}/{N_REQUESTS}; to PEFT (mixed): "
+          f"{same_mixed}/{peft_requests}", flush=True)
+    for k in ("base", "mixed", "nolora", "hf", "peft"):
+        r[k].pop("tokens")
+    r.update(ratios=ratios, same_tokens_base=same_base, same_tokens_mixed=same_mixed)
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,mid")
+    ap.add_argument("--peft-requests", type=int, default=N_REQUESTS)
+    ap.add_argument("--workdir", default="/tmp/lorafleet-bench")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+          f"{platform.processor() or platform.platform()}")
+    out = [bench_model(m, workdir, args.peft_requests) for m in args.models.split(",")]
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
