@@ -145,15 +145,14 @@ def main() -> None:
     print(f"# {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{time.strftime('%Y-%m-%d')}, load average {os.getloadavg()[0]:.1f}")
     bandwidth = copy_bandwidth()
-    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (512 MB tensor copy, read + write)\n")
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (512 MB tensor copy, read + write; measured again "
+          f"at the end, the fractions use the higher figure)")
 
     base_weights = {n: torch.randn(d_out, d_in) * 0.01 for n, (d_in, d_out) in PROJECTIONS.items()}
     layer = make_layer(RANK)
     ranks = [RANK] * SLOTS
 
-    print("| tokens | adapters | ours ms | naive loop ms | base GEMM ms | ours vs naive | LoRA / base "
-          "| MB moved | GB/s | of copy bw |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []  # printed at the end, when the copy bandwidth has been measured twice
     headline = None
     for tokens in TOKENS:
         base = base_gemm_seconds(tokens, base_weights, max(3, args.repeats // 2))
@@ -163,23 +162,35 @@ def main() -> None:
             ours = timeit(cell.ours, args.repeats)
             naive = timeit(cell.naive, max(3, args.repeats // 2))
             moved = lora_bytes(slots, ranks)
-            fraction = moved / ours / bandwidth
             distinct = len(set(slots))
             label = f"{adapters}" if distinct == adapters else f"{adapters} ({distinct} used)"
-            print(f"| {tokens} | {label} | {ours * 1e3:.2f} | {naive * 1e3:.2f} | {base * 1e3:.2f} | "
-                  f"{naive / ours:.1f}x | {ours / base:.3f} | {moved / 1e6:.1f} | {moved / ours / 1e9:.1f} | "
-                  f"{fraction:.0%} |", flush=True)
+            rows.append((f"| {tokens} | {label} | {ours * 1e3:.2f} | {naive * 1e3:.2f} | {base * 1e3:.2f} | "
+                         f"{naive / ours:.1f}x | {ours / base:.3f} | {moved / 1e6:.1f} | {moved / ours / 1e9:.1f} | ",
+                         moved / ours))
+            print(f"  measured {tokens} tokens x {adapters} adapters", file=sys.stderr, flush=True)
             if (tokens, adapters) == (64, 32):
-                headline = fraction
+                headline = moved / ours
     del layer
 
     # heterogeneous ranks: half the adapters at rank 4, half at 64, against all at rank 64 (r_max 64)
     mixed_ranks = [4 if s % 2 == 0 else 64 for s in range(SLOTS)]
     layer64 = make_layer(64)
     slots = batch_slots(64, 32)
-    mixed = timeit(Cell(layer64, 64, slots, mixed_ranks).ours, args.repeats)
-    all64 = timeit(Cell(layer64, 64, slots, [64] * SLOTS).ours, args.repeats)
-    print(f"\n64 tokens x 32 adapters at 7B shapes: {headline:.0%} of copy bandwidth (goal >= 50%)")
+    mixed_cell, all64_cell = Cell(layer64, 64, slots, mixed_ranks), Cell(layer64, 64, slots, [64] * SLOTS)
+    mixed, all64 = float("inf"), float("inf")
+    for _ in range(3 * args.repeats):  # interleaved, so load from other processes hits both alike
+        mixed = min(mixed, timeit(mixed_cell.ours, 1))
+        all64 = min(all64, timeit(all64_cell.ours, 1))
+    bandwidth = max(bandwidth, copy_bandwidth())
+    print(f"copy bandwidth measured again: best {bandwidth / 1e9:.1f} GB/s\n")
+    print("| tokens | adapters | ours ms | naive loop ms | base GEMM ms | ours vs naive | LoRA / base "
+          "| MB moved | GB/s | of copy bw |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for text, rate in rows:
+        print(f"{text}{rate / bandwidth:.0%} |")
+    print()
+    print(f"64 tokens x 32 adapters at 7B shapes: {headline / 1e9:.1f} GB/s = {headline / bandwidth:.0%} of copy "
+          f"bandwidth (goal >= 50%)")
     print(f"ranks mixed 4/64 vs all 64 (64 tokens x 32 adapters): {mixed * 1e3:.2f} ms vs {all64 * 1e3:.2f} ms "
           f"= {mixed / all64:.2f}x (goal <= 0.65x)")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")

@@ -5,17 +5,23 @@ Measured on 7B shapes (bench/kernels.py, bench/RESULTS.md):
   (csrc/sgmv_cpu.c) covers all of them: no Python per segment, work proportional to each real rank,
   and it reaches a large fraction of copy bandwidth. Per-segment torch calls pay ~10 us of dispatch each
   and torch's small-GEMM threading stalls when the other core is busy.
-- long segments (prefill: one adapter, many tokens) are GEMM-shaped: BLAS via torch beats hand loops.
+- long segments (prefill: one adapter, many tokens) are GEMM-shaped. On an idle host torch's BLAS is
+  up to 4x faster than the native loops there (32-64 tokens); but on a host shared with other processes
+  (this project's 2-core CI box) its 2-thread GEMMs stall at every OpenMP barrier and the native kernel
+  wins on median by 4-10x and ties on best case from 128 tokens. So by default every segment goes native;
+  LORAFLEET_CPU_LONG_SEGMENT=32 sends segments of 32+ tokens to BLAS on dedicated hosts.
 Anything the native kernel does not cover (non-fp32, exotic strides, no compiler) takes the torch path.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from . import cpu_native
 from .mapping import LoraMapping
 
-LONG_SEGMENT = 32  # tokens from which a segment goes to BLAS instead of the native kernel
+LONG_SEGMENT = int(os.environ.get("LORAFLEET_CPU_LONG_SEGMENT", 1 << 30))  # tokens from which BLAS is used
 PARALLEL_BYTES = 1 << 20  # weight bytes from which the native kernel uses torch's thread count
 
 
