@@ -134,6 +134,9 @@ def test_upload_progress_validation_error_and_drag_and_drop(transactional_db, pa
     page.locator("#upload-result").wait_for(state="visible")
     assert "Version 2 stored." in page.locator("#upload-result").inner_text()
     assert AdapterVersion.objects.filter(adapter=real_base.writer).count() == 2
+    page.goto("/adapters/")
+    assert "v1" in page.locator("#adapters-table").inner_text()
+    shot(page, "04b-adapters-list-after-upload")
 
 
 def test_make_an_older_version_live_and_see_the_badge_move(transactional_db, page, world):
