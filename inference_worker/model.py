@@ -168,7 +168,7 @@ class _Prefill:
     n: int  # tokens in this chunk
     start_pos: int  # positions already in the cache before this chunk
     rows: torch.Tensor  # int64 [start_pos + n], KV rows of positions 0..start_pos+n-1
-    masks: dict[int | None, torch.Tensor]  # window -> bool [n, start_pos + n], True = may attend
+    masks: dict[int | None, torch.Tensor]  # window -> bool [1, 1, n, start_pos + n], True = may attend
 
 
 @dataclass
@@ -177,7 +177,9 @@ class _Decode:
 
     index: torch.Tensor | None  # int64 [B] their token indices, None when the whole step is decode
     rows: torch.Tensor  # int64 [B, L] KV rows (padding points anywhere, masked)
-    masks: dict[int | None, torch.Tensor | None]  # window -> additive float [B, 1, L] (0 / -inf), or None
+    # window -> additive float [1, B, 1, L] (0 / -inf), or None. 4-D because SDPA on CPU takes its fast
+    # (flash) kernel only for 4-D masks and falls back to the unfused math path otherwise.
+    masks: dict[int | None, torch.Tensor | None]
 
 
 @dataclass
@@ -292,12 +294,12 @@ class Block:
         KV, g = cfg.num_kv_heads, H // cfg.num_kv_heads
         L = d.rows.shape[1]
         q4 = q.view(B, KV, g, hd).transpose(0, 1)  # [KV, B, g, hd]
-        mask = d.masks[self.window]  # [B, 1, L] or None
+        mask = d.masks[self.window]  # [1, B, 1, L] or None
         chunk = B if q.is_cuda else max(1, (1 << 20) // (2 * KV * L * hd * q.element_size()))
         ys = []
         for c in range(0, B, chunk):
             k, v = self.runner.kv.gather(self.layer, d.rows[c:c + chunk])  # [KV, C, L, hd]
-            ys.append(F.scaled_dot_product_attention(q4[:, c:c + chunk], k, v, attn_mask=None if mask is None else mask[c:c + chunk],
+            ys.append(F.scaled_dot_product_attention(q4[:, c:c + chunk], k, v, attn_mask=None if mask is None else mask[:, c:c + chunk],
                                                      scale=scale))  # [KV, C, g, hd]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [KV, B, g, hd]
         return y.transpose(0, 1).reshape(B, H * hd)
@@ -446,7 +448,7 @@ class ModelRunner:
                     ok &= p.unsqueeze(0) > q_pos - wdw
                 # None when nothing is masked (equal lengths, no window): SDPA then skips its mask checks.
                 masks[wdw] = None if bool(ok.all()) else torch.zeros(
-                    ok.shape, dtype=self.dtype, device=dev).masked_fill_(~ok, float("-inf")).unsqueeze(1)  # [B, 1, L]
+                    ok.shape, dtype=self.dtype, device=dev).masked_fill_(~ok, float("-inf"))[None, :, None]  # [1, B, 1, L]
             whole = not prefill_specs
             index = None if whole else torch.tensor(decode_idx, dtype=torch.int64, device=dev)
             decode = _Decode(index=index, rows=rows, masks=masks)
@@ -463,7 +465,7 @@ class ModelRunner:
                 ok = k_pos <= q_pos
                 if wdw is not None:
                     ok = ok & (k_pos > q_pos - wdw)
-                masks[wdw] = ok  # [n, L]
+                masks[wdw] = ok[None, None]  # [1, 1, n, L], 4-D for SDPA's fast path
             prefills.append(_Prefill(first=first, n=n, start_pos=s.start_pos, rows=rows, masks=masks))
 
         lora = self.lora.mapping(slots) if self.lora is not None else None
