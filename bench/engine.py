@@ -190,7 +190,8 @@ def bench_model(name: str, workdir: Path, peft_requests: int) -> dict:
 
     r = {"model": name, "distinct_adapters": distinct, "gemm_gflops": gemm / 1e9, "roofline_tok_s": roofline}
     r["base"] = run_engine(base, prompts, None, refs, blobs, enable_lora=True, slots=distinct)
-    print(f"lorafleet base-only      {r['base']['tok_s']:8.1f} tok/s  (mean batch {r['base']['mean_batch']:.1f})", flush=True)
+    print(f"lorafleet base-only      {r['base']['tok_s']:8.1f} tok/s  (mean batch {r['base']['mean_batch']:.1f}, "
+          f"{100 * r['base']['forward_share']:.0f}% of wall time inside runner.forward)", flush=True)
     r["mixed"] = run_engine(base, prompts, adapter_of, refs, blobs, enable_lora=True, slots=distinct)
     print(f"lorafleet mixed          {r['mixed']['tok_s']:8.1f} tok/s  (mean distinct adapters per step "
           f"{r['mixed']['mean_distinct_adapters']:.1f})", flush=True)

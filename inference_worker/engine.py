@@ -155,6 +155,7 @@ class Engine:
         self._keys = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._closed = False  # set when the loop has ended; submissions then fail at once
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -171,7 +172,7 @@ class Engine:
 
     def start(self) -> "Engine":
         if self._thread is None:
-            self._stopping = False
+            self._stopping = self._closed = False
             self._thread = threading.Thread(target=self._loop, name="lorafleet-engine", daemon=True)
             self._thread.start()
         return self
@@ -190,6 +191,8 @@ class Engine:
         """Thread-safe; returns at once. Validation and tokenization happen on the engine thread."""
         handle = RequestHandle(job.request_id, self)
         self._post(("submit", handle, job))
+        if self._closed:  # the loop is gone: nobody else will answer what is in the inbox
+            self._fail_inbox()
         return handle
 
     def generate(self, job: GenerationJob, timeout: float | None = None) -> GenerationResult:
@@ -240,6 +243,21 @@ class Engine:
         for req in list(self._running) + list(self._waiting):
             self._fail(req, jobs.ENGINE_STOPPED, "the engine stopped before this request finished")
         self._running, self._waiting = [], deque()
+        self._closed = True
+        self._fail_inbox()
+
+    def _fail_inbox(self) -> None:
+        """After the loop ended: answer every submission still queued with `engine_stopped`."""
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "submit":
+                handle, job = msg[1], msg[2]
+                handle._finish(GenerationResult(request_id=job.request_id, status="error",
+                                                error_code=jobs.ENGINE_STOPPED,
+                                                error_message="the engine is not running"))
 
     def _drain_inbox(self) -> None:
         while True:

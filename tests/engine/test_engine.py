@@ -263,3 +263,10 @@ def test_slot_pressure_and_cold_loads(fleet):
         assert fleet.reads[before:] == [ref.storage_key]
     finally:
         eng.stop()
+
+
+def test_requests_after_stop_are_answered_not_lost(fleet):
+    eng = make_engine(fleet.base, fleet.loader, slots=1)
+    eng.stop()
+    res = eng.submit(greedy("late", None, PROMPTS[0])).result(timeout=5)
+    assert res.status == "error" and res.error_code == "engine_stopped"
