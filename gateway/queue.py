@@ -14,7 +14,7 @@ import logging
 from typing import Iterator, Protocol
 
 from inference_worker.jobs import GenerationJob
-from inference_worker.replies import ChannelUnavailable, ReplyTimeout, reply_channel
+from inference_worker.replies import ChannelUnavailable, ReplyTimeout, ensure_local_folders, reply_channel
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,9 @@ class Dispatcher(Protocol):
 
 
 class CeleryDispatcher:
+    def __init__(self):
+        ensure_local_folders()
+
     def publish(self, job: GenerationJob, meta: dict, *, queue: str, expires_s: float) -> None:
         from config.celery_app import app
 

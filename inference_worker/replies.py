@@ -183,6 +183,20 @@ class FileChannel:
                 time.sleep(POLL_S)
 
 
+def ensure_local_folders() -> None:
+    """The embedded default's filesystem broker and file result backend need their folders to exist
+    (kombu and Celery do not create them). A no-op for Redis."""
+    from django.conf import settings
+
+    options = getattr(settings, "CELERY_BROKER_TRANSPORT_OPTIONS", {}) or {}
+    folders = [options.get(k) for k in ("data_folder_in", "data_folder_out", "processed_folder")]
+    backend = str(getattr(settings, "CELERY_RESULT_BACKEND", "") or "")
+    if backend.startswith("file://"):
+        folders.append(backend[len("file://"):])
+    for folder in filter(None, folders):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+
+
 _channel = None
 
 

@@ -13,6 +13,7 @@ from django.db import connections
 
 from adapters.models import BaseModel
 from inference_worker import worker
+from inference_worker.replies import ensure_local_folders
 
 
 class Command(BaseCommand):
@@ -43,6 +44,7 @@ class Command(BaseCommand):
             device=opts["device"], concurrency=opts["concurrency"], max_lora_slots=opts["max_lora_slots"],
             max_lora_rank=base.max_lora_rank,
         )
+        ensure_local_folders()
         port = worker.start_metrics_server(runtime, opts["metrics_port"], opts["metrics_addr"])
         worker.start_heartbeat(runtime)
         connections.close_all()  # the hot path never touches the database
