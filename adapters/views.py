@@ -17,6 +17,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt, csrf_protect
 
 from tenants.context import tenant_view
 
@@ -24,6 +25,7 @@ from . import capacity, services, usage
 from .forms import ActivateForm, AdapterCreateForm, AuditFilterForm, CapacityForm, UploadForm, UsageWindowForm
 from .models import Adapter, AdapterVersion, VersionPointerChange
 from .storage import BlobStorageError
+from .uploads import cap_upload_size, upload_cut_error
 from .validation import AdapterValidationError
 
 log = logging.getLogger(__name__)
@@ -117,13 +119,28 @@ def _wants_json(request: HttpRequest) -> bool:
     return "application/json" in request.headers.get("Accept", "")
 
 
-@tenant_view(write=True)
+@csrf_exempt
 def upload(request: HttpRequest, pk: int) -> HttpResponse:
+    """Cap the body before anything reads it — CSRF checking reads request.POST, which parses the whole
+    multipart body — then check CSRF and the role as usual (Django's documented pattern for upload handlers)."""
+    cap_upload_size(request)
+    return _upload(request, pk)
+
+
+@csrf_protect
+@tenant_view(write=True)
+def _upload(request: HttpRequest, pk: int) -> HttpResponse:
     """Upload a new version. The page's script posts with XMLHttpRequest (for the progress bar) and
     asks for JSON; without JavaScript the same form posts normally and gets a page back."""
     adapter = _live_adapter(request, pk)
     form = UploadForm(request.POST or None, request.FILES or None)
     error = None
+    cut = upload_cut_error(request) if request.method == "POST" else None
+    if cut is not None:
+        error = {"field": cut.field, "message": str(cut)}
+        if _wants_json(request):
+            return JsonResponse({"ok": False, "field": error["field"], "error": error["message"]}, status=413)
+        return render(request, "adapters/upload.html", {"adapter": adapter, "form": form, "error": error}, status=413)
     if request.method == "POST":
         if form.is_valid():
             from .uploads import create_adapter_version  # landed separately; imported at use
