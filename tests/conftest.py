@@ -115,3 +115,9 @@ def world(db):
     acme_key, acme_secret = issue_api_key(acme, "prod", created_by=alice)
     globex_key, globex_secret = issue_api_key(globex, "prod", created_by=charlie)
     return SimpleNamespace(**locals())
+
+
+@pytest.fixture(autouse=True)
+def _fast_password_hashing(settings):
+    """Tests create users by the dozen; production-strength hashing would cost seconds per test."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
