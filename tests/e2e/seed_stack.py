@@ -1,7 +1,9 @@
 """Seeds the e2e database (run as a subprocess by tests/e2e/conftest.py with the stack's environment):
 bases, two tenants with four adapters each, adapters for the failure tests, keys. Prints one JSON line.
 
-    python tests/e2e/seed_stack.py CHECKPOINT_DIR WORK_DIR SUFFIX
+    python tests/e2e/seed_stack.py CHECKPOINT_DIR WORK_DIR SUFFIX [light]
+
+`light`: one tenant with two adapters and nothing else (the embedded-default smoke test).
 """
 from __future__ import annotations
 
@@ -23,8 +25,12 @@ from inference_worker.peft_factory import make_random_peft_adapter  # noqa: E402
 from tenants.services import create_tenant, issue_api_key, revoke_api_key  # noqa: E402
 
 
-def main(checkpoint: str, work: str, suffix: str) -> dict:
+def main(checkpoint: str, work: str, suffix: str, mode: str = "full") -> dict:
     work_dir = Path(work)
+    if not Path(checkpoint).exists():
+        from inference_worker.tiny_base import build_tiny_base
+
+        build_tiny_base(checkpoint, arch="llama", seed=11)
     bases = {
         role: register_base_model(f"{role}-{suffix}", checkpoint, queue_name=f"e2e.{role}.{suffix}")
         for role in ("main", "idle", "crash")
@@ -45,7 +51,9 @@ def main(checkpoint: str, work: str, suffix: str) -> dict:
 
     shapes = [dict(r=4), dict(r=8, targets=("q_proj", "k_proj", "v_proj", "o_proj")),
               dict(r=16, targets=("gate_proj", "up_proj", "down_proj")), dict(r=8)]
-    for letter in ("a", "b"):
+    if mode == "light":
+        shapes = shapes[:2]
+    for letter in ("a",) if mode == "light" else ("a", "b"):
         tenant = create_tenant(f"e2e-{letter}-{suffix}", f"Tenant {letter.upper()}")
         out["tenants"][letter] = {"id": tenant.pk, "slug": tenant.slug}
         _, secret = issue_api_key(tenant, "e2e")
@@ -53,6 +61,8 @@ def main(checkpoint: str, work: str, suffix: str) -> dict:
         for i, shape in enumerate(shapes):
             adapter = create_adapter(tenant, f"{letter}-{i}", bases["main"])
             out["adapters"][adapter.name] = {"tenant": letter, "versions": [upload(adapter, **shape)]}
+    if mode == "light":
+        return out
 
     tenant_a = create_tenant(f"e2e-x-{suffix}", "Failures")
     out["tenants"]["x"] = {"id": tenant_a.pk, "slug": tenant_a.slug}
@@ -78,4 +88,4 @@ def main(checkpoint: str, work: str, suffix: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(*sys.argv[1:4])))
+    print(json.dumps(main(*sys.argv[1:5])))
