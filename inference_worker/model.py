@@ -286,7 +286,7 @@ class Block:
         """q: [B, H, hd], one query per sequence -> [B, H * hd].
 
         GQA as SDPA over [KV, B, g, hd] queries (the g heads sharing a KV head are its "query length"),
-        so K/V are never repeated. Sequences go in chunks whose gathered K/V stay in cache (about 1 MiB
+        so K/V are never repeated. Sequences go in chunks whose gathered K/V stay in cache (about 2 MiB
         on CPU): the gather's output is then read back by SDPA from cache rather than from memory.
         """
         cfg = self.cfg
@@ -295,12 +295,12 @@ class Block:
         L = d.rows.shape[1]
         q4 = q.view(B, KV, g, hd).transpose(0, 1)  # [KV, B, g, hd]
         mask = d.masks[self.window]  # [1, B, 1, L] or None
-        chunk = B if q.is_cuda else max(1, (1 << 20) // (2 * KV * L * hd * q.element_size()))
+        chunk = B if q.is_cuda else max(1, (2 << 20) // (2 * KV * L * hd * q.element_size()))
         ys = []
         for c in range(0, B, chunk):
             k, v = self.runner.kv.gather(self.layer, d.rows[c:c + chunk])  # [KV, C, L, hd]
-            ys.append(F.scaled_dot_product_attention(q4[:, c:c + chunk], k, v, attn_mask=None if mask is None else mask[:, c:c + chunk],
-                                                     scale=scale))  # [KV, C, g, hd]
+            m = None if mask is None else mask[:, c:c + chunk]
+            ys.append(F.scaled_dot_product_attention(q4[:, c:c + chunk], k, v, attn_mask=m, scale=scale))  # [KV, C, g, hd]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [KV, B, g, hd]
         return y.transpose(0, 1).reshape(B, H * hd)
 
