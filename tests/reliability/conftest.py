@@ -1,0 +1,127 @@
+"""Reliability fixtures: sizes (short in `make test`, full in `make faults`), the alice/bob/charlie
+world extended with a member and hostile credentials, a recording queue boundary, and real tiny
+checkpoints/PEFT folders for uploads.
+
+The queue boundary is replaced by `RecordingDispatcher` only where a test is about the web surface
+(authorisation, property-level writes, the schema fuzz); tests that need workers use tests/e2e's
+real stack.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+FULL = os.environ.get("LORAFLEET_FAULTS_FULL", "").lower() in ("1", "true", "yes")
+
+
+def size(short: int, full: int) -> int:
+    """The short figure in `make test`, the full one in `make faults` (LORAFLEET_FAULTS_FULL=1)."""
+    return full if FULL else short
+
+
+class RecordingDispatcher:
+    """The queue boundary, counted: every job that would reach a worker is recorded here, and each
+    is answered at once with a plausible result so the request path runs to the end."""
+
+    def __init__(self):
+        self.published: list[SimpleNamespace] = []
+        self.cancelled: list[str] = []
+
+    def publish(self, job, meta, *, queue, expires_s):
+        self.published.append(SimpleNamespace(job=job, meta=meta, queue=queue, expires_s=expires_s))
+
+    def events(self, request_id, deadline):
+        from inference_worker.jobs import GenerationResult
+
+        sent = next(p for p in self.published if p.job.request_id == request_id)
+        job = sent.job
+        sha = job.adapter.sha256 if job.adapter else None
+        result = GenerationResult(
+            request_id=job.request_id, status="ok", text="ok then", token_ids=[5, 6], finish_reason="length",
+            prompt_tokens=3, completion_tokens=2, adapter_sha256=sha, queued_s=0.0, first_token_s=0.0, total_s=0.0,
+        ).to_dict()
+        if sent.meta.get("stream"):
+            yield {"type": "delta", "text": "ok", "worker_id": "w-test", "adapter_sha256": sha}
+        yield {"type": "final", "result": result, "worker_id": "w-test", "attempts": 1}
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+@pytest.fixture
+def dispatcher(monkeypatch) -> RecordingDispatcher:
+    from gateway import limits, queue
+
+    fake = RecordingDispatcher()
+    monkeypatch.setattr(queue, "_dispatcher", fake)
+    monkeypatch.setattr(limits, "_counters", limits.LocalCounters())
+    return fake
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    from inference_worker.tiny_base import build_tiny_base
+
+    return build_tiny_base(tmp_path_factory.mktemp("rel_tiny"), arch="llama", seed=3, max_position=128)
+
+
+@pytest.fixture(scope="session")
+def peft_folder(tiny_checkpoint, tmp_path_factory) -> Path:
+    from inference_worker.peft_factory import make_random_peft_adapter
+
+    return make_random_peft_adapter(tiny_checkpoint, tmp_path_factory.mktemp("rel_peft") / "good", r=8, alpha=16,
+                                    seed=4)
+
+
+@pytest.fixture
+def adapter_storage_dir(settings, tmp_path) -> Path:
+    folder = tmp_path / "storage"
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "adapters": {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(folder)}},
+    }
+    return folder
+
+
+@pytest.fixture
+def realm(world, tiny_checkpoint, dispatcher, adapter_storage_dir):
+    """`world` plus everything the matrix needs: dave (member of acme), eve (no tenant), an adapter
+    only acme has (so another tenant's key cannot resolve the same name in its own tenant), and acme
+    keys that are revoked, expired, or carry a bad checksum. The base is servable (real tokenizer)."""
+    from django.contrib.auth import get_user_model
+    from django.utils import timezone
+
+    from adapters.manifest import shape_manifest_from_checkpoint
+    from adapters.models import BaseModel
+    from adapters.services import activate_version, create_adapter
+    from gateway.models import AuditRecord
+    from tenants.models import ApiKey, Role
+    from tenants.services import add_member, issue_api_key, revoke_api_key
+
+    w = world
+    BaseModel.objects.filter(pk=w.base.pk).update(
+        checkpoint_path=str(tiny_checkpoint), shape_manifest=shape_manifest_from_checkpoint(tiny_checkpoint))
+    w.base.refresh_from_db()
+    User = get_user_model()
+    w.dave = User.objects.create_user("dave", password="dave-password-1")
+    add_member(w.acme, w.dave, Role.MEMBER)
+    w.eve = User.objects.create_user("eve", password="eve-password-1")
+    w.acme_only = create_adapter(w.acme, "acme-only", w.base, created_by=w.alice)
+    w.acme_only_v1 = w.make_version(w.acme_only, 1, "d")
+    activate_version(w.acme_only, w.acme_only_v1, actor=w.alice, reason="first")
+    revoked, w.revoked_secret = issue_api_key(w.acme, "revoked", created_by=w.alice)
+    revoke_api_key(revoked, actor=w.alice)
+    expired, w.expired_secret = issue_api_key(w.acme, "expired", created_by=w.alice)
+    ApiKey.objects.filter(pk=expired.pk).update(expires_at=timezone.now() - timedelta(days=1))
+    last = w.acme_secret[-1]
+    w.badsum_secret = w.acme_secret[:-1] + ("A" if last != "A" else "B")
+    # An acme audit row with a marker a cross-tenant page must never show.
+    w.acme_audit = AuditRecord.objects.create(route="completions", tenant=w.acme, key_prefix=w.acme_key.prefix,
+                                              adapter=w.acme_only, adapter_name="acme-only", status="ok",
+                                              http_status=200)
+    w.dispatcher = dispatcher
+    return w
