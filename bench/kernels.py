@@ -4,7 +4,8 @@ the machine's copy bandwidth, all measured side by side in this one run.
     .venv/bin/python bench/kernels.py            # ~5-10 minutes on 2 cores, ~3 GB of RAM
 
 Each cell runs all seven projections of a decoder layer (q, k, v, o: 4096 -> 4096; gate, up:
-4096 -> 11008; down: 11008 -> 4096) with r = 16 adapters and sums their times. Caches are flushed before every
+4096 -> 11008; down: 11008 -> 4096) with r = 16 adapters and sums their times. B stacks are
+rank-major in memory (kernels/cpu.py says why). Caches are flushed before every
 timed call so that, as in a real forward pass, adapter weights come from DRAM and not from a cache
 warmed by the previous repeat. "bytes" is what the op must move at least: the A
 and B of the distinct adapters in the batch, x, and out read and written.
@@ -74,7 +75,8 @@ def make_layer(r_max: int) -> dict:
     layer = {}
     for name, (d_in, d_out) in PROJECTIONS.items():
         a = torch.randn(SLOTS, r_max, d_in) * 0.01  # [S, r_max, d_in]
-        b = torch.randn(SLOTS, d_out, r_max) * 0.01  # [S, d_out, r_max]
+        # [S, d_out, r_max] as a view of rank-major memory, the layout the CPU path prefers (kernels/cpu.py)
+        b = (torch.randn(SLOTS, r_max, d_out) * 0.01).transpose(1, 2)
         layer[name] = (a, b)
     return layer
 

@@ -10,6 +10,11 @@ Measured on 7B shapes (bench/kernels.py, bench/RESULTS.md):
   (this project's 2-core CI box) its 2-thread GEMMs stall at every OpenMP barrier and the native kernel
   wins on median by 4-10x and ties on best case from 128 tokens. So by default every segment goes native;
   LORAFLEET_CPU_LONG_SEGMENT=32 sends segments of 32+ tokens to BLAS on dedicated hosts.
+B layout: `b_stack` is [S, d_out, r_max] by shape, in either memory order. Rank-major memory
+([S, r_max, d_out] allocated, passed as `.transpose(1, 2)`) is the one to allocate on CPU: the expand then
+streams exactly rank x d_out floats per adapter. Column-major B ([S, d_out, r_max] contiguous) works too,
+but for ranks well below r_max its reads are strided and latency-bound (measured: a rank-4 adapter
+costs ~0.4-0.9x a rank-64 one instead of 1/16).
 Anything the native kernel does not cover (non-fp32, exotic strides, no compiler) takes the torch path.
 """
 from __future__ import annotations
@@ -48,8 +53,9 @@ def _native_ok(out, x, a_stack, b_stack, slot_scales) -> bool:
     return (
         out.dtype == x.dtype == a_stack.dtype == b_stack.dtype == torch.float32
         and slot_scales.dtype == torch.float32 and slot_scales.is_contiguous()
-        and out.stride(1) == 1 and x.stride(1) == 1 and a_stack.stride(2) == 1 and b_stack.stride(2) == 1
-        and b_stack.stride(1) < (1 << 20)  # the gather expand indexes 16 rows with int32 offsets
+        and out.stride(1) == 1 and x.stride(1) == 1 and a_stack.stride(2) == 1
+        and (b_stack.stride(2) == 1 and b_stack.stride(1) < (1 << 20)  # [S, d_out, r_max] (int32 gathers)
+             or b_stack.stride(1) == 1)  # rank-major: a transposed view of [S, r_max, d_out]
     )
 
 
@@ -63,7 +69,7 @@ def _call_native(lib, out, x, a_stack, b_stack, plan, slot_scales) -> None:
         plan.num_short, starts, lens, slots, ranks,
         x.data_ptr(), x.stride(0),
         a_stack.data_ptr(), a_stack.stride(0), a_stack.stride(1),
-        b_stack.data_ptr(), b_stack.stride(0), b_stack.stride(1),
+        b_stack.data_ptr(), b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
         out.data_ptr(), out.stride(0),
         slot_scales.data_ptr(),
         y.data_ptr(), y.stride(0),

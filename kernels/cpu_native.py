@@ -29,7 +29,7 @@ _ARGTYPES = [
     _i64, _p, _p, _p, _p,  # G, seg starts, lens, slots, ranks
     _p, _i64,  # x, row stride
     _p, _i64, _i64,  # a_stack, slot stride, row stride
-    _p, _i64, _i64,  # b_stack, slot stride, row stride
+    _p, _i64, _i64, _i64,  # b_stack, slot stride, column stride, rank stride
     _p, _i64,  # out, row stride
     _p,  # scales
     _p, _i64,  # y scratch, row stride

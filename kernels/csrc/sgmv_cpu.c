@@ -152,11 +152,53 @@ static void expand_unit_rows(const float *y, int64_t sy, const float *b, int64_t
 }
 #endif
 
+/* B stored rank-major ([S, r_max, d_out] memory, passed as a transposed view): each rank row of B is a
+ * contiguous run of output columns, so the expand is a sum of rank axpys streaming exactly rank x
+ * columns floats, whatever r_max is. The layout the CPU path prefers (see kernels/cpu.py). Tiles are
+ * wide (4 KB per rank row) because each rank row is its own stream: 64-column tiles of a rank-64 adapter
+ * were 64 concurrent 256-byte streams, which the prefetchers did not follow (measured 2x slower). */
+#define NB 1024  /* output columns per tile: TB x NB fp32 accumulators (16 KB) stay in L1 */
+static void expand_unit_rank_major(const float *y, int64_t sy, const float *b, int64_t sbr, int rank,
+                                   float *out, int64_t so, int64_t len, int64_t ncols, float scale) {
+    for (int64_t t0 = 0; t0 < len; t0 += TB) {
+        int nt = (int)min64(TB, len - t0);
+        int64_t n0 = 0;
+        for (; n0 + NB <= ncols; n0 += NB) {
+            float acc[TB][NB] __attribute__((aligned(64))) = {{0.f}};
+            for (int j = 0; j < rank; j++) {
+                const float *bj = b + j * sbr + n0;
+                for (int t = 0; t < TB; t++) {
+                    if (t >= nt) break;
+                    float yv = y[(t0 + t) * sy + j];
+                    #pragma omp simd
+                    for (int i = 0; i < NB; i++) acc[t][i] += yv * bj[i];
+                }
+            }
+            for (int t = 0; t < nt; t++) {
+                float *o = out + (t0 + t) * so + n0;
+                #pragma omp simd
+                for (int i = 0; i < NB; i++) o[i] += scale * acc[t][i];
+            }
+        }
+        if (n0 < ncols) {  /* tail columns */
+            int64_t nn = ncols - n0;
+            for (int t = 0; t < nt; t++) {
+                float *o = out + (t0 + t) * so + n0;
+                for (int j = 0; j < rank; j++) {
+                    const float *bj = b + j * sbr + n0;
+                    float yv = scale * y[(t0 + t) * sy + j];
+                    for (int64_t i = 0; i < nn; i++) o[i] += yv * bj[i];
+                }
+            }
+        }
+    }
+}
+
 typedef struct {
     const int32_t *starts, *lens, *slots, *ranks;
     const float *x, *a, *b, *scales;
     float *out, *y;
-    int64_t sx, sas, sar, sbs, sbn, so, sy, d_in, d_out;
+    int64_t sx, sas, sar, sbs, sbn, sbr, so, sy, d_in, d_out;
 } sgmv_args;
 
 static void shrink_segment_rows(const sgmv_args *p, int64_t g, int j0, int nrows) {
@@ -166,9 +208,14 @@ static void shrink_segment_rows(const sgmv_args *p, int64_t g, int j0, int nrows
 
 static void expand_segment_cols(const sgmv_args *p, int64_t g, int64_t n0, int64_t ncols) {
     const float *y = p->y + (int64_t)p->starts[g] * p->sy;
-    const float *b = p->b + (int64_t)p->slots[g] * p->sbs + n0 * p->sbn;
+    const float *b = p->b + (int64_t)p->slots[g] * p->sbs + n0 * p->sbn;  /* used when sbr == 1 */
     float *out = p->out + (int64_t)p->starts[g] * p->so + n0;
     float scale = p->scales[p->slots[g]];
+    if (p->sbr != 1) {  /* rank-major B: rows of the rank axis are contiguous columns */
+        expand_unit_rank_major(y, p->sy, p->b + (int64_t)p->slots[g] * p->sbs + n0, p->sbr, p->ranks[g], out,
+                               p->so, p->lens[g], ncols, scale);
+        return;
+    }
 #ifdef __AVX512F__
     if (p->ranks[g] <= GATHER_MAX_RANK)
         expand_unit_gather(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], ncols, scale);
@@ -240,10 +287,12 @@ static void ensure_helpers(int wanted) {
  * never wait on each other. nthreads <= 1 runs on the calling thread only. */
 void sgmv_add_f32(int64_t G, const int32_t *starts, const int32_t *lens, const int32_t *slots,
                   const int32_t *ranks, const float *x, int64_t sx, const float *a, int64_t sas,
-                  int64_t sar, const float *b, int64_t sbs, int64_t sbn, float *out, int64_t so,
-                  const float *scales, float *y, int64_t sy, int64_t d_in, int64_t d_out, int nthreads) {
+                  int64_t sar, const float *b, int64_t sbs, int64_t sbn, int64_t sbr, float *out,
+                  int64_t so, const float *scales, float *y, int64_t sy, int64_t d_in, int64_t d_out,
+                  int nthreads) {
+    /* B strides: sbs per slot, sbn per output column, sbr per rank element; exactly one of sbn, sbr is 1 */
     sgmv_args p = {starts, lens, slots, ranks, x, a, b, scales, out, y,
-                   sx, sas, sar, sbs, sbn, so, sy, d_in, d_out};
+                   sx, sas, sar, sbs, sbn, sbr, so, sy, d_in, d_out};
     if (nthreads <= 1 || G <= 1) {
         for (int64_t g = 0; g < G; g++) run_segment(&p, g);
         return;

@@ -3,6 +3,7 @@ LoRA term on random batch layouts: mixed ranks 1..128, empty segments, tokens wi
 token, up to 512 tokens, widths that are not multiples of any block size, fp32 and bf16."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,15 +30,20 @@ def layouts(draw, max_tokens: int = 512):
     d_out = draw(st.integers(1, 80))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     seed = draw(st.integers(0, 2**16))
-    return slots, ranks, r_max, d_in, d_out, dtype, seed
+    rank_major_b = draw(st.booleans())
+    return slots, ranks, r_max, d_in, d_out, dtype, seed, rank_major_b
 
 
-def make_tensors(slots, ranks, r_max, d_in, d_out, dtype, seed):
+def make_tensors(slots, ranks, r_max, d_in, d_out, dtype, seed, rank_major_b=False):
+    """rank_major_b: B allocated [S, r_max, d_out] and passed as a transposed view (the CPU layout)."""
     g = torch.Generator().manual_seed(seed)
     num_slots, num_tokens = len(ranks), len(slots)
     x = torch.randn(num_tokens, d_in, generator=g).to(dtype)  # [T, d_in]
     a = torch.randn(num_slots, r_max, d_in, generator=g).to(dtype)  # [S, r_max, d_in]
-    b = torch.randn(num_slots, d_out, r_max, generator=g).to(dtype)  # [S, d_out, r_max]
+    if rank_major_b:
+        b = torch.randn(num_slots, r_max, d_out, generator=g).to(dtype).transpose(1, 2)  # [S, d_out, r_max]
+    else:
+        b = torch.randn(num_slots, d_out, r_max, generator=g).to(dtype)  # [S, d_out, r_max]
     scales = torch.rand(num_slots, generator=g) + 0.1  # [S] fp32
     out = torch.randn(num_tokens, d_out, generator=g).to(dtype)  # [T, d_out]
     return x, a, b, scales, out
@@ -83,8 +89,9 @@ def test_shrink_then_expand_agree_with_reference(case):
         assert_close_scaled(got, expected)
 
 
-def test_a_single_token_with_the_largest_rank():
-    case = ([0], [128], 128, 33, 47, torch.float32, 1)
+@pytest.mark.parametrize("rank_major_b", [False, True])
+def test_a_single_token_with_the_largest_rank(rank_major_b):
+    case = ([0], [128], 128, 33, 130, torch.float32, 1, rank_major_b)
     x, a, b, scales, out = make_tensors(*case)
     mapping = LoraMapping.build([0], [128])
     expected = add_lora_reference(out.clone(), x, a, b, mapping, scales)

@@ -13,10 +13,13 @@ from kernels.reference import add_lora_reference
 BACKENDS = ("triton", "cpu", "reference")
 
 
-def stacks(num_slots=3, r_max=32, d_in=40, d_out=24, seed=0):
+def stacks(num_slots=3, r_max=32, d_in=40, d_out=24, seed=0, rank_major_b=False):
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(num_slots, r_max, d_in, generator=g)  # [S, r_max, d_in]
-    b = torch.randn(num_slots, d_out, r_max, generator=g)  # [S, d_out, r_max]
+    if rank_major_b:  # allocated [S, r_max, d_out], passed as a transposed view
+        b = torch.randn(num_slots, r_max, d_out, generator=g).transpose(1, 2)  # [S, d_out, r_max]
+    else:
+        b = torch.randn(num_slots, d_out, r_max, generator=g)  # [S, d_out, r_max]
     return a, b
 
 
@@ -46,10 +49,11 @@ def test_base_only_tokens_inside_a_mixed_batch_are_left_bit_for_bit(backend):
     assert not torch.allclose(out[lora_rows], before[lora_rows])
 
 
+@pytest.mark.parametrize("rank_major_b", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_pool_padding_past_the_real_rank_is_never_read(backend):
+def test_pool_padding_past_the_real_rank_is_never_read(backend, rank_major_b):
     """A slot that held a rank-32 adapter and now holds a rank-4 one keeps stale columns: ignored."""
-    a, b = stacks()
+    a, b = stacks(rank_major_b=rank_major_b)
     ranks = [4, 32, 9]
     clean_a, clean_b = a.clone(), b.clone()
     for s, r in enumerate(ranks):
@@ -126,12 +130,12 @@ def test_the_native_kernel_agrees_when_it_splits_segments_across_threads(monkeyp
     monkeypatch.setattr(cpu, "PARALLEL_BYTES", 0)  # use the helpers even for these small shapes
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     g = torch.Generator().manual_seed(3)
-    a, b = stacks(num_slots=6, r_max=20, d_in=72, d_out=40, seed=3)
     ranks = [1, 20, 7, 16, 0, 9]
     for trial in range(200):
+        a, b = stacks(num_slots=6, r_max=20, d_in=72, d_out=140, seed=3, rank_major_b=trial % 2 == 1)
         slots = torch.randint(-1, 6, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g)
         mapping = LoraMapping.build(slots.sort().values.int(), ranks)
         x = torch.randn(len(slots), 72, generator=g)
-        out = torch.randn(len(slots), 40, generator=g)
+        out = torch.randn(len(slots), 140, generator=g)
         expected = add_lora_reference(out.clone(), x, a, b, mapping, torch.ones(6))
         torch.testing.assert_close(add_lora(out, x, a, b, mapping, torch.ones(6)), expected, rtol=1e-4, atol=1e-4)
