@@ -71,11 +71,14 @@ class LoraSlots:
             raise ValueError(f"slot {slot} out of range (0..{self.num_slots - 1})")
 
     def clear(self, slot: int) -> None:
+        """Empty a slot. Only the region the previous adapter wrote is zeroed (targets x [:rank]): a
+        whole slot of a 7B-shaped pool is hundreds of MB, and cold loads must stay cheap."""
         self._check_slot(slot)
-        for pools in (self.a, self.b):
-            for per_layer in pools.values():
-                for t in per_layer:
-                    t[slot].zero_()
+        r = self.ranks[slot]
+        for proj in self.targets[slot]:
+            for layer in range(self.num_layers):
+                self.a[proj][layer][slot, :r].zero_()
+                self.b[proj][layer][slot, :, :r].zero_()
         self.ranks[slot] = 0
         self.scales[slot] = 0.0
         self.targets[slot] = frozenset()
@@ -106,11 +109,12 @@ class LoraSlots:
         if not parsed:
             raise ValueError("the adapter has no LoRA tensors")
 
+        # Invariant: outside (targets x [:rank]) a slot is all zeros, so a module of smaller rank than
+        # the slot's (PEFT rank_pattern) or one the adapter does not target contributes nothing.
         self.clear(slot)
-        for (layer, proj, ab), tensor in parsed.items():
-            t = tensor.to(device=self.device, dtype=self.a[proj][layer].dtype)
+        for (layer, proj, ab), t in parsed.items():
             if ab == "A":
-                self.a[proj][layer][slot, : t.shape[0]].copy_(t)
+                self.a[proj][layer][slot, : t.shape[0]].copy_(t)  # copy_ converts dtype and device
             else:
                 self.b[proj][layer][slot, :, : t.shape[1]].copy_(t)
         self.ranks[slot] = rank
