@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+# Shared CPUs: passive OpenMP waiting (see bench/engine.py). Set before torch starts OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
