@@ -276,3 +276,15 @@ def test_make_tiny_base_writes_a_deterministic_checkpoint_that_transformers_load
     assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None and tok.bos_token is not None
     assert tok.eos_token_id in ModelRunner(tmp_path / "a", num_kv_blocks=4).config.eos_token_ids
+
+
+def test_reloading_a_slot_leaves_nothing_of_the_previous_adapter(tiny_mistral, tmp_path):
+    big = make_random_peft_adapter(tiny_mistral, tmp_path / "big", r=32, target_modules=ALL_TARGETS, seed=1)
+    small = make_random_peft_adapter(tiny_mistral, tmp_path / "small", r=4, target_modules=("v_proj",), seed=2)
+    fresh = ModelRunner(tiny_mistral, num_kv_blocks=8, max_lora_slots=2, max_lora_rank=32)
+    load_peft_into(fresh, 1, small)
+    expected = fresh.forward([Seq(fresh, 16, slot=1).step(PROMPT)])
+    reused = ModelRunner(tiny_mistral, num_kv_blocks=8, max_lora_slots=2, max_lora_rank=32)
+    load_peft_into(reused, 1, big)
+    load_peft_into(reused, 1, small)
+    torch.testing.assert_close(reused.forward([Seq(reused, 16, slot=1).step(PROMPT)]), expected, atol=1e-5, rtol=0)
