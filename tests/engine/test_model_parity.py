@@ -281,10 +281,17 @@ def test_make_tiny_base_writes_a_deterministic_checkpoint_that_transformers_load
 def test_reloading_a_slot_leaves_nothing_of_the_previous_adapter(tiny_mistral, tmp_path):
     big = make_random_peft_adapter(tiny_mistral, tmp_path / "big", r=32, target_modules=ALL_TARGETS, seed=1)
     small = make_random_peft_adapter(tiny_mistral, tmp_path / "small", r=4, target_modules=("v_proj",), seed=2)
+    other = make_random_peft_adapter(tiny_mistral, tmp_path / "other", r=8, target_modules=ALL_TARGETS, seed=3)
+
+    def run(runner: ModelRunner) -> torch.Tensor:
+        # slot 0 targets every projection, so every projection runs for slot 1's tokens too
+        return runner.forward([Seq(runner, 16, slot=0).step(PROMPT), Seq(runner, 16, slot=1).step(PROMPT)])
+
     fresh = ModelRunner(tiny_mistral, num_kv_blocks=8, max_lora_slots=2, max_lora_rank=32)
+    load_peft_into(fresh, 0, other)
     load_peft_into(fresh, 1, small)
-    expected = fresh.forward([Seq(fresh, 16, slot=1).step(PROMPT)])
     reused = ModelRunner(tiny_mistral, num_kv_blocks=8, max_lora_slots=2, max_lora_rank=32)
+    load_peft_into(reused, 0, other)
     load_peft_into(reused, 1, big)
     load_peft_into(reused, 1, small)
-    torch.testing.assert_close(reused.forward([Seq(reused, 16, slot=1).step(PROMPT)]), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(run(reused), run(fresh), atol=1e-5, rtol=0)
