@@ -133,7 +133,8 @@ def _upload(request: HttpRequest, pk: int) -> HttpResponse:
     """Upload a new version. The page's script posts with XMLHttpRequest (for the progress bar) and
     asks for JSON; without JavaScript the same form posts normally and gets a page back."""
     adapter = _live_adapter(request, pk)
-    form = UploadForm(request.POST or None, request.FILES or None)
+    # Bound on every POST, even an empty one, so a POST with no files is a named 400, not an unbound form.
+    form = UploadForm(request.POST, request.FILES) if request.method == "POST" else UploadForm()
     error = None
     cut = upload_cut_error(request) if request.method == "POST" else None
     if cut is not None:

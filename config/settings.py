@@ -142,6 +142,8 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         "data_folder_in": str(_celery_dir / "queue"),
         "data_folder_out": str(_celery_dir / "queue"),
         "processed_folder": str(_celery_dir / "processed"),
+        # kombu's default is ./control, relative to wherever the process was started
+        "control_folder": str(_celery_dir / "control"),
         "store_processed": False,
     }
     CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", f"file://{_celery_dir / 'results'}")

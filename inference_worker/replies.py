@@ -189,7 +189,7 @@ def ensure_local_folders() -> None:
     from django.conf import settings
 
     options = getattr(settings, "CELERY_BROKER_TRANSPORT_OPTIONS", {}) or {}
-    folders = [options.get(k) for k in ("data_folder_in", "data_folder_out", "processed_folder")]
+    folders = [options.get(k) for k in ("data_folder_in", "data_folder_out", "processed_folder", "control_folder")]
     backend = str(getattr(settings, "CELERY_RESULT_BACKEND", "") or "")
     if backend.startswith("file://"):
         folders.append(backend[len("file://"):])

@@ -307,8 +307,6 @@ def test_cross_tenant_api_never_reaches_the_queue(realm):
     assert realm.dispatcher.published == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG adapters/views.py _upload: a POST with neither fields nor files leaves "
-                   "the UploadForm unbound, form.errors is empty and next(iter(form.errors)) raises StopIteration: 500")
 def test_empty_upload_post_is_a_named_400(realm):
     client = Client()
     client.force_login(realm.alice)
