@@ -69,6 +69,11 @@ class Command(BaseCommand):
                             help="most wall-clock seconds to train the base (default %(default)s)")
         parser.add_argument("--adapter-seconds", type=float, default=20.0,
                             help="most wall-clock seconds to train each adapter version (default %(default)s)")
+        parser.add_argument("--base-steps", type=int, default=None,
+                            help="planned base training steps (default: training.train_base's); with a generous "
+                                 "--base-seconds the result is deterministic")
+        parser.add_argument("--adapter-steps", type=int, default=None,
+                            help="cap on each adapter version's planned steps (tests use it for determinism)")
         parser.add_argument("--dir", default=None, help="where the demo's files go (default: var/demo)")
         parser.add_argument("--reset", action="store_true",
                             help="start the embedded demo over: delete its database, blobs and trained files")
@@ -85,11 +90,12 @@ class Command(BaseCommand):
 
         steps = 6
         self._step(1, steps, "demo base")
-        base = self._base(demo_dir / "base", opts["base_seconds"])
+        base = self._base(demo_dir / "base", opts["base_seconds"], opts["base_steps"])
         self._step(2, steps, "tenants and users")
         tenants, users = self._tenants_and_users(state)
         self._step(3, steps, "style adapters")
-        trained = self._train_adapters(demo_dir / "adapters", demo_dir / "base", base.sha256, opts["adapter_seconds"])
+        trained = self._train_adapters(demo_dir / "adapters", demo_dir / "base", base.sha256, opts["adapter_seconds"],
+                                       opts["adapter_steps"])
         self._step(4, steps, "adapter versions")
         self._upload(trained, tenants, users, base)
         self._step(5, steps, "API keys")
@@ -122,14 +128,15 @@ class Command(BaseCommand):
         self.stdout.write("Reset: deleted the demo database, adapter blobs and trained files.")
         call_command("migrate", "--noinput", verbosity=0)
 
-    def _base(self, base_dir: Path, seconds: float):
+    def _base(self, base_dir: Path, seconds: float, steps: int | None):
         from adapters.services import checkpoint_sha256, register_base_model
 
         if training.base_is_trained(base_dir):
             self.stdout.write(f"    trained base found in {base_dir}; not training again")
         else:
             shutil.rmtree(base_dir, ignore_errors=True)  # an interrupted run leaves no marker: start clean
-            report = training.train_base(base_dir, seconds=seconds, progress=self.progress)
+            report = training.train_base(base_dir, seconds=seconds, progress=self.progress,
+                                         **({"steps": steps} if steps else {}))
             self.stdout.write(f"    {report.steps} steps in {report.seconds:.0f} s, loss {report.first_loss:.2f} -> "
                               f"{report.final_loss:.2f}")
         from adapters.models import BaseModel
@@ -166,7 +173,8 @@ class Command(BaseCommand):
         self.stdout.write("    tenants acme (alice owner, bob viewer), globex (charlie owner); superuser admin")
         return tenants, users
 
-    def _train_adapters(self, root: Path, base_dir: Path, base_sha256: str, seconds: float) -> dict:
+    def _train_adapters(self, root: Path, base_dir: Path, base_sha256: str, seconds: float,
+                        max_steps: int | None) -> dict:
         """Train every demo adapter version not already trained on this very base; returns their folders."""
         out = {}
         for spec in DEMO_ADAPTERS:
@@ -179,7 +187,8 @@ class Command(BaseCommand):
                 else:
                     shutil.rmtree(folder, ignore_errors=True)
                     r = training.train_style_adapter(base_dir, folder, spec.style, seconds=seconds, seed=version.seed,
-                                                     steps=version.steps, progress=self.progress,
+                                                     steps=min(version.steps, max_steps or version.steps),
+                                                     progress=self.progress,
                                                      extra={"base_sha256": base_sha256})
                     self.stdout.write(f"    {spec.tenant}/{spec.name} v{number} ({spec.style}): {r.steps} steps in "
                                       f"{r.seconds:.0f} s, loss {r.first_loss:.2f} -> {r.final_loss:.2f}")
