@@ -97,6 +97,10 @@ class IncrementalText:
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str] | None = None):
         self.tokenizer = tokenizer
+        # The Rust tokenizer behind a fast HF tokenizer decodes ~6x faster than the Python wrapper,
+        # which matters at two decodes per token per request on the engine thread.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend_decode = backend.decode if backend is not None else None
         self.stop = [s for s in (stop or []) if s]
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._ids: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS :])
@@ -106,6 +110,8 @@ class IncrementalText:
         self.stopped = False  # a stop string was found; `text` ends right before it
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def append(self, token_id: int) -> bool:
