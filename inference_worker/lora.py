@@ -1,8 +1,8 @@
 """Device-resident LoRA slot pools and the per-projection LoRA term.
 
 Each of the seven target projections has, per layer, a padded pool of A and B matrices for every slot:
-`a[proj][layer]` is `[S, r_max, d_in]` and `b[proj][layer]` is `[S, d_out, r_max]` (the layout
-`kernels.add_lora` consumes). An adapter of rank r < r_max fills the first r rows/columns; the rest
+`a[proj][layer]` is `[S, r_max, d_in]` and `b[proj][layer]` is `[S, d_out, r_max]` (the shapes
+`kernels.add_lora` consumes; B rank-major in memory). An adapter of rank r < r_max fills the first r rows/columns; the rest
 stay zero and the kernels never read them (they use the slot's real rank). A slot whose adapter does
 not target a projection keeps zeros there, and the projection is skipped for a step in which no active
 slot targets it, so attention-only adapters do not pay for MLP LoRA.
@@ -56,8 +56,11 @@ class LoraSlots:
         self.shapes = shapes
         self.a = {p: [torch.zeros(num_slots, max_rank, s.d_in, dtype=dtype, device=device)
                       for _ in range(num_layers)] for p, s in shapes.items()}  # [S, r_max, d_in]
-        self.b = {p: [torch.zeros(num_slots, s.d_out, max_rank, dtype=dtype, device=device)
-                      for _ in range(num_layers)] for p, s in shapes.items()}  # [S, d_out, r_max]
+        # B is [S, d_out, r_max] by shape but rank-major in memory (a transposed [S, r_max, d_out]): the
+        # expand then streams exactly rank x d_out contiguous values per adapter, whatever r_max is
+        # (kernels/cpu.py measured column-major B as latency-bound for ranks below r_max).
+        self.b = {p: [torch.zeros(num_slots, max_rank, s.d_out, dtype=dtype, device=device).transpose(1, 2)
+                      for _ in range(num_layers)] for p, s in shapes.items()}  # [S, d_out, r_max] view
         self.ranks = [0] * num_slots
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)  # [S]
         self.targets: list[frozenset[str]] = [frozenset()] * num_slots
