@@ -2,10 +2,10 @@
 
 Each of the seven target projections has, per layer, a padded pool of A and B matrices for every slot:
 `a[proj][layer]` is `[S, r_max, d_in]` and `b[proj][layer]` is `[S, d_out, r_max]` (the shapes
-`kernels.add_lora` consumes; B rank-major in memory). An adapter of rank r < r_max fills the first r rows/columns; the rest
-stay zero and the kernels never read them (they use the slot's real rank). A slot whose adapter does
-not target a projection keeps zeros there, and the projection is skipped for a step in which no active
-slot targets it, so attention-only adapters do not pay for MLP LoRA.
+`kernels.add_lora` consumes; B rank-major in memory). An adapter of rank r < r_max fills the first r
+rows/columns; the rest stay zero and the kernels never read them (they use the slot's real rank). A
+slot whose adapter does not target a projection keeps zeros there, and the projection is skipped for a
+step in which no active slot targets it, so attention-only adapters do not pay for MLP LoRA.
 
 Scale per slot is PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA (the caller computes it).
 """

@@ -300,7 +300,8 @@ class Block:
         for c in range(0, B, chunk):
             k, v = self.runner.kv.gather(self.layer, d.rows[c:c + chunk])  # [KV, C, L, hd]
             m = None if mask is None else mask[:, c:c + chunk]
-            ys.append(F.scaled_dot_product_attention(q4[:, c:c + chunk], k, v, attn_mask=m, scale=scale))  # [KV, C, g, hd]
+            ys.append(F.scaled_dot_product_attention(q4[:, c:c + chunk], k, v, attn_mask=m,
+                                                     scale=scale))  # [KV, C, g, hd]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [KV, B, g, hd]
         return y.transpose(0, 1).reshape(B, H * hd)
 
@@ -447,8 +448,8 @@ class ModelRunner:
                 if wdw is not None:
                     ok &= p.unsqueeze(0) > q_pos - wdw
                 # None when nothing is masked (equal lengths, no window): SDPA then skips its mask checks.
-                masks[wdw] = None if bool(ok.all()) else torch.zeros(
-                    ok.shape, dtype=self.dtype, device=dev).masked_fill_(~ok, float("-inf"))[None, :, None]  # [1, B, 1, L]
+                additive = torch.zeros(ok.shape, dtype=self.dtype, device=dev).masked_fill_(~ok, float("-inf"))
+                masks[wdw] = None if bool(ok.all()) else additive[None, :, None]  # [1, B, 1, L]
             whole = not prefill_specs
             index = None if whole else torch.tensor(decode_idx, dtype=torch.int64, device=dev)
             decode = _Decode(index=index, rows=rows, masks=masks)
