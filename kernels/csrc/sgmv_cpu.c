@@ -162,9 +162,10 @@ static void expand_unit_rank_major(const float *y, int64_t sy, const float *b, i
                                    float *out, int64_t so, int64_t len, int64_t ncols, float scale) {
     for (int64_t t0 = 0; t0 < len; t0 += TB) {
         int nt = (int)min64(TB, len - t0);
-        int64_t n0 = 0;
-        for (; n0 + NB <= ncols; n0 += NB) {
-            float acc[TB][NB] __attribute__((aligned(64))) = {{0.f}};
+        for (int64_t n0 = 0; n0 < ncols; n0 += NB) {
+            const int w = (int)min64(NB, ncols - n0);  /* tile width; the last tile may be narrower */
+            float acc[TB][NB] __attribute__((aligned(64)));
+            for (int t = 0; t < nt; t++) memset(acc[t], 0, (size_t)w * sizeof(float));
             int j = 0;
             for (; j + 4 <= rank; j += 4) {  /* four rank rows per pass: a quarter of the acc traffic */
                 const float *b0 = b + j * sbr + n0, *b1 = b0 + sbr, *b2 = b1 + sbr, *b3 = b2 + sbr;
@@ -173,38 +174,28 @@ static void expand_unit_rank_major(const float *y, int64_t sy, const float *b, i
                         __builtin_prefetch(b0 + NB + i); __builtin_prefetch(b1 + NB + i);
                         __builtin_prefetch(b2 + NB + i); __builtin_prefetch(b3 + NB + i);
                     }
-                for (int t = 0; t < TB; t++) {
-                    if (t >= nt) break;
+                for (int t = 0; t < nt; t++) {
                     const float *yt = y + (t0 + t) * sy + j;
                     float y0 = yt[0], y1 = yt[1], y2 = yt[2], y3 = yt[3];
+                    float *at = acc[t];
                     #pragma omp simd
-                    for (int i = 0; i < NB; i++) acc[t][i] += y0 * b0[i] + y1 * b1[i] + y2 * b2[i] + y3 * b3[i];
+                    for (int i = 0; i < w; i++) at[i] += y0 * b0[i] + y1 * b1[i] + y2 * b2[i] + y3 * b3[i];
                 }
             }
             for (; j < rank; j++) {
                 const float *bj = b + j * sbr + n0;
-                for (int t = 0; t < TB; t++) {
-                    if (t >= nt) break;
+                for (int t = 0; t < nt; t++) {
                     float yv = y[(t0 + t) * sy + j];
+                    float *at = acc[t];
                     #pragma omp simd
-                    for (int i = 0; i < NB; i++) acc[t][i] += yv * bj[i];
+                    for (int i = 0; i < w; i++) at[i] += yv * bj[i];
                 }
             }
             for (int t = 0; t < nt; t++) {
                 float *o = out + (t0 + t) * so + n0;
+                const float *at = acc[t];
                 #pragma omp simd
-                for (int i = 0; i < NB; i++) o[i] += scale * acc[t][i];
-            }
-        }
-        if (n0 < ncols) {  /* tail columns */
-            int64_t nn = ncols - n0;
-            for (int t = 0; t < nt; t++) {
-                float *o = out + (t0 + t) * so + n0;
-                for (int j = 0; j < rank; j++) {
-                    const float *bj = b + j * sbr + n0;
-                    float yv = scale * y[(t0 + t) * sy + j];
-                    for (int64_t i = 0; i < nn; i++) o[i] += yv * bj[i];
-                }
+                for (int i = 0; i < w; i++) o[i] += scale * at[i];
             }
         }
     }
