@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# Starts the demo: web (gunicorn) + one inference worker for the tiny-demo base, both in the background,
+# waits until a real request has been answered, prints URLs, logins and per-tenant snippets, then waits.
+# Ctrl-C stops both. Called by `make demo` after `manage.py migrate` and `manage.py demo_setup`.
+#
+#   bash scripts/run_demo.sh [HOST] [PORT]        (default 127.0.0.1 8000)
+set -euo pipefail
+
+HOST="${1:-127.0.0.1}"
+PORT="${2:-8000}"
+cd "$(dirname "$0")/.."
+PY="${PY:-.venv/bin/python}"
+VAR_DIR="${LORAFLEET_VAR_DIR:-var}"
+DEMO_DIR="$VAR_DIR/demo"
+KEYS="$DEMO_DIR/keys.json"
+LOGS="$DEMO_DIR/logs"
+STARTED=$(date +%s)
+
+[ -f "$KEYS" ] || { echo "No $KEYS: run 'make demo' (or 'manage.py demo_setup') first." >&2; exit 1; }
+mkdir -p "$LOGS"
+
+if "$PY" - "$HOST" "$PORT" <<'PY'
+import socket, sys
+s = socket.socket()
+try:
+    s.bind((sys.argv[1], int(sys.argv[2])))
+except OSError:
+    sys.exit(0)  # in use
+sys.exit(1)
+PY
+then
+    echo "Port $PORT on $HOST is in use; run 'make demo DEMO_PORT=8001' (or stop what listens there)." >&2
+    exit 1
+fi
+
+# The admin's CSS is served by WhiteNoise from STATIC_ROOT.
+"$PY" manage.py collectstatic --noinput -v 0
+
+PIDS=()
+stop() {
+    trap - INT TERM EXIT
+    if [ "${#PIDS[@]}" -gt 0 ]; then
+        echo
+        echo "Stopping web and worker ..."
+        for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+        for pid in "${PIDS[@]}"; do
+            for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+            kill -KILL "$pid" 2>/dev/null || true
+        done
+    fi
+}
+trap stop EXIT
+trap 'exit 130' INT TERM
+
+echo "Starting the inference worker (log: $LOGS/worker.log) ..."
+"$PY" manage.py run_worker --base tiny-demo --concurrency 8 --metrics-port 0 >"$LOGS/worker.log" 2>&1 &
+PIDS+=($!)
+echo "Starting the web server on http://$HOST:$PORT (log: $LOGS/web.log) ..."
+"$PY" -m gunicorn config.wsgi:application --bind "$HOST:$PORT" --workers 1 --threads 16 --timeout 120 \
+    >"$LOGS/web.log" 2>&1 &
+PIDS+=($!)
+
+# Ready means: a real completion went through web -> queue -> worker -> back, for every demo adapter.
+# The same requests give the sample answers printed below.
+"$PY" - "$HOST" "$PORT" "$KEYS" "$STARTED" "${PIDS[@]}" <<'PY'
+import json, os, sys, time, urllib.error, urllib.request
+
+host, port, keys_path, started = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+pids = [int(p) for p in sys.argv[5:]]
+state = json.load(open(keys_path))
+url = f"http://{host}:{port}"
+PROMPT = "What did you do today?"
+
+
+def alive() -> None:
+    for pid in pids:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = 0  # not our child (the shell's): probe it instead
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                done = pid
+        if done:
+            sys.exit(f"A demo process ({pid}) exited during start-up; see {os.path.dirname(keys_path)}/logs/.")
+
+
+def ask(key: str, model: str, timeout: float = 90.0) -> dict:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPT}],
+                       "max_tokens": 48, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, method="POST", headers={
+        "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.load(resp)
+
+
+deadline = time.time() + 180
+while True:  # web up?
+    alive()
+    try:
+        urllib.request.urlopen(f"{url}/login/", timeout=2).read()
+        break
+    except (urllib.error.URLError, OSError):
+        if time.time() > deadline:
+            sys.exit("The web server did not come up in time; see the web log.")
+        time.sleep(0.5)
+
+samples = {}
+for tenant, adapters in state["adapters"].items():
+    for model in adapters:
+        while True:  # worker up? the first answer also loads the adapter
+            alive()
+            try:
+                reply = ask(state["api_keys"][tenant], model)
+                break
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                if time.time() > deadline:
+                    sys.exit(f"No answer from the worker in time ({exc}); see the worker log.")
+                time.sleep(1.0)
+        meta = reply.get("lorafleet", {})
+        samples[(tenant, model)] = (reply["choices"][0]["message"]["content"], meta.get("version"),
+                                    (meta.get("adapter_sha256") or meta.get("weights_sha256") or "")[:12])
+
+logins = state["logins"]
+rule = "=" * 78
+print()
+print(rule)
+print(f" lorafleet demo is running ({time.time() - started:.0f} s to start this script). Ctrl-C stops it.")
+print(rule)
+print(f" Dashboard  {url}/        logins: alice / {logins['alice']}   (acme owner)")
+print(f"                          bob / {logins['bob']}     (acme viewer)")
+print(f"                          charlie / {logins['charlie']} (globex owner)")
+print(f" Admin      {url}/admin/  login:  admin / {logins['admin']}")
+print(f" API docs   {url}/api/docs/")
+print(f" Keys and logins are in {keys_path} (mode 0600): secrets are shown once.")
+print()
+print(f' Same prompt, "{PROMPT}", one base model, each tenant\'s own weights:')
+for (tenant, model), (text, version, sha) in samples.items():
+    shown = " / ".join(line for line in text.strip().splitlines()) or "(empty)"
+    print(f"   {tenant:7s} {model:7s} v{version} {sha:12s} -> {shown}")
+for tenant, adapters in state["adapters"].items():
+    key = state["api_keys"][tenant]
+    model = adapters[0]
+    print()
+    print(f"--- {tenant}: adapters {', '.join(adapters)} " + "-" * max(0, 60 - len(tenant) - len(', '.join(adapters))))
+    print(f"curl -s {url}/v1/chat/completions \\")
+    print(f'  -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\')
+    print(f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{PROMPT}\"}}], "
+          f"\"max_tokens\": 48, \"temperature\": 0}}'")
+    print()
+    print(".venv/bin/python - <<'EOF'")
+    print("from openai import OpenAI")
+    print(f'client = OpenAI(base_url="{url}/v1", api_key="{key}")')
+    print(f'reply = client.chat.completions.create(model="{model}", max_tokens=48, temperature=0,')
+    print(f'    messages=[{{"role": "user", "content": "{PROMPT}"}}])')
+    print("print(reply.choices[0].message.content)")
+    print("EOF")
+print()
+print(' Rollback: acme\'s "shouty" has two versions. Pin one with "model": "shouty@1", or make v1 live in')
+print(" the dashboard (Adapters -> shouty -> activate v1) and ask again.")
+print(rule)
+PY
+
+wait -n "${PIDS[@]}" || true
+echo "A demo process stopped; see $LOGS/. Stopping the other." >&2
+exit 1
