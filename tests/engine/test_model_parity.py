@@ -295,3 +295,25 @@ def test_reloading_a_slot_leaves_nothing_of_the_previous_adapter(tiny_mistral, t
     load_peft_into(reused, 1, big)
     load_peft_into(reused, 1, small)
     torch.testing.assert_close(run(reused), run(fresh), atol=1e-5, rtol=0)
+
+
+def test_llama_with_attention_bias_matches_transformers(tiny_llama, tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "biased"
+    shutil.copytree(tiny_llama, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["attention_bias"] = True  # biases on q, k, v and o
+    (path / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(str(path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for i in range(cfg["num_hidden_layers"]):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out_features = weights[f"model.layers.{i}.self_attn.{proj}.weight"].shape[0]
+            weights[f"model.layers.{i}.self_attn.{proj}.bias"] = 0.5 * torch.randn(out_features, generator=gen)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    runner = ModelRunner(path, num_kv_blocks=8, enable_lora=False)
+    ours = runner.forward([Seq(runner, 16).step(PROMPT)])[0]
+    with torch.no_grad():
+        theirs = hf_model(path)(torch.tensor([PROMPT])).logits[0, -1]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
