@@ -148,20 +148,20 @@ def test_sequences_on_different_slots_in_one_forward_equal_each_alone(tiny_llama
                                                        target_modules=("q_proj", "down_proj")))
     prompts = {0: PROMPT[:9], 3: PROMPT[3:], -1: PROMPT[::-1]}
 
-    def history(slot: int, together: bool) -> list[torch.Tensor]:
-        """Prefill then 3 decode tokens (fixed ids), logits of every step."""
+    def history(slot: int) -> tuple[Seq, list[SeqStep]]:
+        """A fresh sequence and its steps: prefill, then 3 decode tokens (fixed ids)."""
         seq = Seq(runner, 32, slot)
         steps = [seq.step(prompts[slot])] + [seq.step([t]) for t in (11, 22, 33)]
         return seq, steps
 
     alone = {}
     for slot in prompts:
-        seq, steps = history(slot, False)
+        seq, steps = history(slot)
         alone[slot] = [runner.forward([s])[0] for s in steps]
         seq.free()
 
     # Together: slot 0 and 3 start decoding while slot -1 is still prefilling (mixed prefill + decode).
-    seqs = {slot: history(slot, True) for slot in prompts}
+    seqs = {slot: history(slot) for slot in prompts}
     plan = [[(0, 0), (3, 0)], [(0, 1), (3, 1), (-1, 0)], [(3, 2), (-1, 1), (0, 2)], [(-1, 2), (0, 3), (3, 3)],
             [(-1, 3)]]
     for batch in plan:
