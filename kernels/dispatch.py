@@ -1,9 +1,16 @@
 """The public LoRA ops: route CUDA tensors to Triton and CPU tensors to the CPU path.
 
 Fused projections (q/k/v or gate/up) are the caller's job: call once per output slice, passing a column
-view of the fused output as `out` (the Triton launchers accept a row stride; the CPU path accepts any
-view). Forcing Triton on CPU tensors (`backend="triton"` or LORAFLEET_KERNELS_BACKEND=triton) only works
-under TRITON_INTERPRET=1; the tests use it to check the Triton kernels on a machine without a GPU.
+view of the fused output as `out` (every backend accepts a row stride; columns outside the view are not
+touched).
+
+`b_stack` is [S, d_out, r_max] by shape in either memory order. Allocate it rank-major
+(`torch.zeros(S, r_max, d_out).transpose(1, 2)`): the CPU expand then reads exactly rank x d_out floats
+per adapter, so a rank-4 adapter costs ~1/10 of a rank-64 one instead of ~1/3, and the Triton expand's
+loads along d_out are contiguous. A plain contiguous [S, d_out, r_max] works everywhere too.
+
+Forcing Triton on CPU tensors (`backend="triton"` or LORAFLEET_KERNELS_BACKEND=triton) only works under
+TRITON_INTERPRET=1; the tests use it to check the Triton kernels on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -51,8 +58,9 @@ def add_lora(
     untouched and cost nothing. Returns `out`.
     """
     _check_shapes(x, a_stack, mapping)
-    if out.shape != (mapping.num_tokens, b_stack.shape[1]):
-        raise ValueError(f"out must be [T, d_out={b_stack.shape[1]}], got {tuple(out.shape)}")
+    if out.shape != (mapping.num_tokens, b_stack.shape[1]) or b_stack.shape[2] != a_stack.shape[1]:
+        raise ValueError(f"out must be [T, d_out={b_stack.shape[1]}] and B [S, d_out, r_max={a_stack.shape[1]}], "
+                         f"got out {tuple(out.shape)}, B {tuple(b_stack.shape)}")
     if mapping.is_empty:
         return out
     which = _backend(x, backend)
@@ -105,6 +113,8 @@ def lora_expand(
     """out[t] += scale[s] * B[s, :, :r] @ y[t, :r]; tokens with slot -1 are untouched. Returns `out`."""
     if out.shape != (mapping.num_tokens, b_stack.shape[1]):
         raise ValueError(f"out must be [T, d_out={b_stack.shape[1]}], got {tuple(out.shape)}")
+    if mapping.max_rank > b_stack.shape[2]:
+        raise ValueError(f"a slot's rank {mapping.max_rank} exceeds the B stack's r_max {b_stack.shape[2]}")
     if mapping.is_empty:
         return out
     which = _backend(y, backend)
