@@ -60,8 +60,7 @@ def _native_ok(out, x, a_stack, b_stack, slot_scales) -> bool:
 
 
 def _call_native(lib, out, x, a_stack, b_stack, plan, slot_scales) -> None:
-    r_max = a_stack.shape[1]
-    y = torch.empty(x.shape[0], r_max, dtype=torch.float32)  # [T, r_max] scratch for the shrink
+    y = plan.scratch(x.shape[0], a_stack.shape[1])  # [T, r_max] fp32 scratch for the shrink
     weight_bytes = plan.short_rank_sum * (x.shape[1] + out.shape[1]) * 4
     threads = torch.get_num_threads() if weight_bytes >= PARALLEL_BYTES else 1
     starts, lens, slots, ranks = plan.short_ptrs

@@ -24,8 +24,11 @@ from .mapping import LoraMapping
 _BACKENDS = ("auto", "triton", "cpu", "reference")
 
 
+_DEFAULT_BACKEND = os.environ.get("LORAFLEET_KERNELS_BACKEND", "auto")  # read once: this runs per projection
+
+
 def _backend(x: torch.Tensor, backend: str | None) -> str:
-    choice = backend or os.environ.get("LORAFLEET_KERNELS_BACKEND", "auto")
+    choice = backend or _DEFAULT_BACKEND
     if choice not in _BACKENDS:
         raise ValueError(f"unknown kernels backend {choice!r}; expected one of {_BACKENDS}")
     if choice == "auto":

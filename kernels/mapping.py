@@ -20,6 +20,15 @@ class CpuPlan:
     short_ptrs: tuple[int, int, int, int]  # data pointers of short_segs' rows
     short_rank_sum: int  # sum of the ranks of the distinct slots among short segments (sizes the traffic)
     long_segments: tuple[tuple[int, int, int, int], ...]  # (start, end, slot, rank) handed to BLAS
+    _scratch: dict = field(default_factory=dict, repr=False)  # r_max -> fp32 [T, r_max] shrink output
+
+    def scratch(self, num_tokens: int, r_max: int) -> torch.Tensor:
+        """The shrink's scratch, allocated once per step and reused by every projection. Calls that
+        share a mapping must not run concurrently (one forward pass uses one mapping at a time)."""
+        y = self._scratch.get(r_max)
+        if y is None:
+            y = self._scratch[r_max] = torch.empty(num_tokens, r_max, dtype=torch.float32)
+        return y
 
 
 @dataclass(frozen=True, eq=False)

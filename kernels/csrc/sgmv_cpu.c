@@ -56,6 +56,7 @@ static void shrink_unit(const float *x, int64_t sx, const float *arows, int64_t 
 /* Columns n0..n1 of out for the segment's tokens: one dot product over the real rank per (token, column),
  * B rows read once per block of TB tokens. Rows of B are r_max apart, so for a small rank the reads are
  * strided: prefetch a few rows ahead, since the hardware prefetcher does not follow that stride well. */
+__attribute__((unused))  /* the fallback where AVX-512 is missing */
 static void expand_unit(const float *y, int64_t sy, const float *b, int64_t sbn, int rank,
                         float *out, int64_t so, int64_t len, int64_t ncols, float scale) {
     for (int64_t t0 = 0; t0 < len; t0 += TB) {
@@ -244,7 +245,7 @@ static void run_segment(const sgmv_args *p, int64_t g) {
  * call under load). Here the calling thread never waits for a helper that has not started: it claims
  * segments from a shared counter like the helpers do, and at the end waits only for segments a helper
  * has actually claimed. A helper that wakes late finds no work and sleeps again. After fork() the
- * helpers are gone and the caller simply does all the work. */
+ * child starts a fresh pool on its first parallel call. */
 typedef struct {
     sgmv_args p;
     int64_t G;
@@ -279,7 +280,20 @@ static void *helper_main(void *unused) {
     return NULL;
 }
 
+static void pool_after_fork_in_child(void);
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, pool_after_fork_in_child); }
+
+/* In a forked child the helpers do not exist and the lock may have been copied held: start afresh. */
+static void pool_after_fork_in_child(void) {
+    pthread_mutex_init(&pool_mu, NULL);
+    pthread_cond_init(&pool_cv, NULL);
+    pool_job = NULL;
+    pool_helpers = 0;
+}
+
 static void ensure_helpers(int wanted) {
+    static pthread_once_t registered = PTHREAD_ONCE_INIT;
+    pthread_once(&registered, register_fork_handler);
     pthread_mutex_lock(&pool_mu);
     while (pool_helpers < wanted) {
         pthread_t tid;

@@ -2,7 +2,9 @@
 padded rank columns never read, segments built from any slot order, column views of fused outputs."""
 from __future__ import annotations
 
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -139,3 +141,30 @@ def test_the_native_kernel_agrees_when_it_splits_segments_across_threads(monkeyp
         out = torch.randn(len(slots), 140, generator=g)
         expected = add_lora_reference(out.clone(), x, a, b, mapping, torch.ones(6))
         torch.testing.assert_close(add_lora(out, x, a, b, mapping, torch.ones(6)), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or not hasattr(os, "fork"), reason="needs a C compiler and fork")
+def test_a_forked_worker_process_still_computes_with_threads(monkeypatch):
+    """Helper threads do not survive fork(): a child must neither hang nor compute garbage."""
+    from kernels import cpu
+
+    monkeypatch.setattr(cpu, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    a, b = stacks(num_slots=3, rank_major_b=True)
+    x = torch.randn(6, 40)
+    mapping = LoraMapping.build([0, 0, 1, 1, 2, 2], [4, 32, 9])
+    expected = add_lora_reference(torch.zeros(6, 24), x, a, b, mapping, torch.ones(3))
+    add_lora(torch.zeros(6, 24), x, a, b, mapping, torch.ones(3))  # the parent starts its helpers
+    pid = os.fork()
+    if pid == 0:  # child: exit status says whether it got the right answer
+        ok = torch.allclose(add_lora(torch.zeros(6, 24), x, a, b, mapping, torch.ones(3)), expected, atol=1e-4)
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the forked child hung in the native kernel")
