@@ -277,7 +277,11 @@ class Engine:
         req = _Request(job, handle, next(self._keys))
         self._by_handle[id(handle)] = req
         self.metrics.requests_submitted += 1
-        err = self._prepare(req)
+        try:
+            err = self._prepare(req)
+        except Exception as exc:  # e.g. the tokenizer refusing the input: this request only
+            log.exception("preparing request %s failed", job.request_id)
+            err = (jobs.INVALID_REQUEST, f"the prompt could not be prepared: {exc}")
         if err is not None:
             self._fail(req, *err)
         else:
@@ -401,7 +405,11 @@ class Engine:
             tokens = sample_next_tokens(sel, samplers)
             now = time.perf_counter()
             for req, tok in zip(reqs, tokens):
-                self._on_token(req, tok, now)
+                try:
+                    self._on_token(req, tok, now)
+                except Exception as exc:  # detokenization or a stop check failing: this request only
+                    log.exception("request %s failed after its forward pass", req.job.request_id)
+                    self._fail(req, jobs.INTERNAL_ERROR, f"post-processing a token failed: {exc!r}")
         self._running = [r for r in self._running if not r.done]
         self.metrics.record_step(
             batch_size=len(steps), tokens=sum(len(s.token_ids) for s in steps),
