@@ -216,17 +216,16 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
                 meta = metadata(draft.request_id, target, weights_sha256=result.adapter_sha256, worker_id=worker_id)
                 err = _result_error(target, result)
                 if err is not None:
-                    finalised = audit.finalise(draft, ok=False, http_status=200, error_code=err.code,
-                                               error_message=err.message, result=result, worker_id=worker_id,
-                                               attempts=attempts) or True
-                    status = err.status
+                    audit.finalise(draft, ok=False, http_status=200, error_code=err.code, error_message=err.message,
+                                   result=result, worker_id=worker_id, attempts=attempts)
+                    finalised, status = True, err.status
                     yield sse({**err.body(), "lorafleet": meta})
                     return
                 rest = result.text[len(sent):] if result.text.startswith(sent) else ""
                 if rest or is_first:
                     yield sse(shapes.chunk(rest, first=is_first, meta=meta if is_first else None))
-                finalised = audit.finalise(draft, ok=True, http_status=200, result=result, worker_id=worker_id,
-                                           attempts=attempts) or True
+                audit.finalise(draft, ok=True, http_status=200, result=result, worker_id=worker_id, attempts=attempts)
+                finalised = True
                 yield sse(shapes.chunk("", finish_reason=result.finish_reason, meta=meta))
                 if params.include_usage:
                     yield sse(shapes.usage_chunk(result))
@@ -235,16 +234,15 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
             try:
                 event = next(events)
             except (ReplyTimeout, StopIteration):
-                err = timed_out(request_timeout_of(draft))
+                err = timed_out(round(draft.elapsed(), 1))
                 break
             except QueueUnavailable:
                 err = queue_unavailable("lost the reply channel")
                 break
         # the stream broke after it started: say so in-band, the status line has already gone out
         dispatcher.cancel(str(draft.request_id))
-        finalised = audit.finalise(draft, ok=False, http_status=200, error_code=err.code,
-                                   error_message=err.message) or True
-        status = err.status
+        audit.finalise(draft, ok=False, http_status=200, error_code=err.code, error_message=err.message)
+        finalised, status = True, err.status
         yield sse(err.body())
     finally:
         if not finalised:  # the client went away mid-stream
@@ -256,7 +254,3 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
         metrics.IN_FLIGHT.dec()
         if slot is not None:
             slot.__exit__(None, None, None)
-
-
-def request_timeout_of(draft) -> float:
-    return draft.elapsed()

@@ -192,3 +192,16 @@ def test_metrics_schema_and_docs(api, post, client):
     paths = json.loads(schema.content)["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(paths)
     assert client.get("/api/docs/").status_code == 200
+
+
+def test_rows_left_pending_by_a_dead_web_process_are_closed_once(api):
+    from django.core.management import call_command
+    from django.utils import timezone
+
+    old = AuditRecord.objects.create(route="completions", tenant=api.acme,
+                                     created_at=timezone.now() - timezone.timedelta(hours=1))
+    fresh = AuditRecord.objects.create(route="completions", tenant=api.acme)
+    call_command("close_abandoned_audit")
+    old.refresh_from_db()
+    fresh.refresh_from_db()
+    assert (old.status, old.error_code) == ("error", "abandoned") and fresh.status == "pending"
