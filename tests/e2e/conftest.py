@@ -26,8 +26,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
-ADMIN_DB_URL = os.environ.get("LORAFLEET_E2E_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
-REDIS_URL = os.environ.get("LORAFLEET_E2E_REDIS_URL", "redis://127.0.0.1:6379/13")
+
+
+def _env_url(own: str, shared: str, schemes: tuple[str, ...], default: str) -> str:
+    """This suite's own variable, else the suite-wide one when it names the right service, else the default."""
+    if os.environ.get(own):
+        return os.environ[own]
+    if os.environ.get(shared, "").startswith(schemes):
+        return os.environ[shared]
+    return default
+
+
+# The session's database is created next to this one (CREATE DATABASE), so any database of the server will do.
+ADMIN_DB_URL = _env_url("LORAFLEET_E2E_DATABASE_URL", "DATABASE_URL", ("postgres://", "postgresql://"),
+                        "postgres://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = _env_url("LORAFLEET_E2E_REDIS_URL", "CELERY_BROKER_URL", ("redis://",), "redis://127.0.0.1:6379/13")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

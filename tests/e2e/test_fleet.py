@@ -31,8 +31,9 @@ def test_64_concurrent_requests_over_8_adapters_of_2_tenants(e2e, db_rows):
         answers = list(pool.map(call, calls))
 
     version_of = {name: a["versions"][0] for name, a in adapters}
+    refused = [(name, prompt, r.status_code, r.text[:300]) for name, prompt, r in answers if r.status_code != 200]
+    assert not refused, refused
     for name, prompt, r in answers:
-        assert r.status_code == 200, r.text
         meta = r.json()["lorafleet"]
         version = version_of[name]
         blob = (e2e.storage / version["storage_key"]).read_bytes()
@@ -57,6 +58,7 @@ def test_64_concurrent_requests_over_8_adapters_of_2_tenants(e2e, db_rows):
     from inference_worker.model import ModelRunner
 
     engine = Engine(ModelRunner(e2e.checkpoint), lambda key: (e2e.storage / key).read_bytes()).start()
+    differ = []
     try:
         for name, prompt, r in answers:
             v = version_of[name]
@@ -65,9 +67,11 @@ def test_64_concurrent_requests_over_8_adapters_of_2_tenants(e2e, db_rows):
             direct = engine.generate(GenerationJob(request_id="direct", adapter=ref, prompt=prompt, max_tokens=12,
                                                    temperature=0), timeout=60)
             assert direct.ok, direct.error_message
-            assert r.json()["choices"][0]["text"] == direct.text, (name, prompt)
+            if r.json()["choices"][0]["text"] != direct.text:
+                differ.append((name, prompt, r.json()["choices"][0]["text"], direct.text))
     finally:
         engine.stop()
+    assert not differ, differ
     distinct_texts = {r.json()["choices"][0]["text"] for _, p, r in answers if p == PROMPTS[0]}
     assert len(distinct_texts) >= 4  # the adapters really change the output
 
