@@ -1,0 +1,132 @@
+"""Schemathesis against /api/schema/, in-process against the WSGI app with a valid key.
+
+Every operation of the published schema gets generated requests (valid and invalid bodies, odd path
+parameters, odd headers); none may answer 5xx, and every answer must match the schema: a documented
+status code, the documented content type, a body and headers that validate. The queue boundary is
+the recording dispatcher (this test is about the API surface; tests/e2e drives real workers).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import schemathesis
+from django.core.wsgi import get_wsgi_application
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+from schemathesis import checks
+
+pytestmark = pytest.mark.django_db
+
+FULL = os.environ.get("LORAFLEET_FAULTS_FULL", "").lower() in ("1", "true", "yes")
+TOTAL_CASES = 1200 if FULL else 150
+CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
+          checks.response_schema_conformance, checks.response_headers_conformance]
+
+
+@pytest.fixture
+def fuzz_realm(realm):
+    # One tenant takes every generated request: its per-minute quota must not turn the run into 429s.
+    realm.acme.requests_per_minute = 10**6
+    realm.acme.max_concurrent_requests = 10**6
+    realm.acme.save()
+    return realm
+
+
+def _schema_json(client) -> dict:
+    import json
+
+    response = client.get("/api/schema/?format=json")
+    assert response.status_code == 200
+    return json.loads(response.content)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG gateway/views.py: OpenAIView sets parser_classes = [], so drf-spectacular "
+                   "finds no request content type and the published schema has no requestBody for "
+                   "/v1/completions and /v1/chat/completions (CompletionRequest/ChatRequest are not even in "
+                   "components): clients and fuzzers cannot learn the body from /api/schema/")
+def test_published_schema_documents_request_bodies(client):
+    paths = _schema_json(client)["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = paths[path]["post"].get("requestBody", {})
+        assert "application/json" in body.get("content", {}), path
+
+
+@pytest.mark.xfail(strict=True, reason="BUG config/urls.py + gateway: a /v1/ path no route matches — e.g. "
+                   "GET /v1/models/a%0Ab, since the <path:model> converter's `.+` stops at a newline — gets Django's "
+                   "HTML 404 page, not the documented application/json OpenAI error (found by schemathesis)")
+def test_unrouted_v1_paths_answer_json(realm, client):
+    response = client.get("/v1/models/a%0Ab", HTTP_AUTHORIZATION=f"Bearer {realm.acme_secret}")
+    assert response.status_code == 404
+    assert response["Content-Type"].startswith("application/json")
+
+
+@pytest.fixture
+def schema_with_bodies(client):
+    """The published schema, generated as if the views declared their JSON parser, so the bodies that
+    serializers.py documents are in it (see the xfail above); the views themselves are unchanged."""
+    from rest_framework.parsers import JSONParser
+
+    from gateway import views
+
+    with pytest.MonkeyPatch.context() as patch:  # its own patcher: undoing it leaves the dispatcher stub alone
+        for view in (views.CompletionsView, views.ChatCompletionsView):
+            patch.setattr(view, "parser_classes", [JSONParser])
+        raw = _schema_json(client)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert "requestBody" in raw["paths"][path]["post"], path
+    return schemathesis.openapi.from_dict(raw)
+
+
+def test_schema_fuzz(fuzz_realm, schema_with_bodies):
+    from schemathesis import GenerationMode
+
+    app = get_wsgi_application()
+    operations = [result.ok() for result in schema_with_bodies.get_all_operations()]
+    assert len(operations) >= 4, [op.label for op in operations]
+    headers = {"Authorization": f"Bearer {fuzz_realm.acme_secret}"}
+    counts: dict[str, int] = {}
+    statuses: dict[int, int] = {}
+
+    def fuzz(operation, mode, budget: int, pass_no: int) -> None:
+        @seed(pass_no)
+        @given(case=operation.as_strategy(generation_mode=mode), real_model=st.booleans())
+        @settings(max_examples=budget, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        def run(case, real_model):
+            if "%0A" in str(case.path_parameters.get("model", "")).upper():  # already percent-encoded here
+                # known: test_unrouted_v1_paths_answer_json (xfail) — a newline never reaches the view
+                case.path_parameters["model"] = re.sub("%0A", "_", case.path_parameters["model"], flags=re.I)
+            if real_model and isinstance(case.body, dict) and "model" in case.body:
+                case.body["model"] = "acme-only"  # half the bodies name a real adapter and can succeed
+            response = case.call_and_validate(headers=headers, checks=CHECKS, app=app)
+            label = f"{operation.label} [{mode.value}]"
+            counts[label] = counts.get(label, 0) + 1
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+
+        try:
+            run()
+        except Unsatisfiable:
+            # an operation with nothing to get wrong (GET /v1/models: no parameters, no body)
+            assert mode is GenerationMode.NEGATIVE, operation.label
+
+    # Reads get a small budget; bodies are where the surface is, so the POSTs take the rest, in
+    # passes with fresh seeds until the total is reached (Hypothesis stops a pass early when it
+    # runs out of distinct examples).
+    modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+    posts = [op for op in operations if op.method.upper() == "POST"]
+    for operation in (op for op in operations if op.method.upper() != "POST"):
+        for mode in modes:
+            fuzz(operation, mode, 20, 0)
+    pass_no = 0
+    while sum(counts.values()) < TOTAL_CASES and pass_no < 20:
+        left = TOTAL_CASES - sum(counts.values())
+        for operation in posts:
+            for mode in modes:
+                fuzz(operation, mode, -(-left // (2 * len(posts))), pass_no)
+        pass_no += 1
+    total = sum(counts.values())
+    print(f"\nschemathesis: {total} cases over {len(operations)} operations {counts}; statuses {statuses}")
+    assert total >= TOTAL_CASES
+    assert not any(code >= 500 for code in statuses)
