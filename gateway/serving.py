@@ -13,7 +13,7 @@ import logging
 import time
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
 from inference_worker.jobs import AdapterRef, GenerationJob, GenerationResult
@@ -61,6 +61,21 @@ def serve(request, *, route: str, chat: bool) -> HttpResponse:
             if draft.tenant is not None and draft.record_id is None:
                 audit.record_refusal(draft, http_status=err.status, error_code=err.code, error_message=err.message)
             return _error(draft, err)
+    except DatabaseError:
+        # PostgreSQL restarting or unreachable: a clean, retryable answer (the audit row cannot be written
+        # either; a pending one is closed later by close_abandoned_audit).
+        log.exception("database unavailable while serving %s", draft.request_id)
+        return _error(draft, ApiError(503, "database_unavailable", "The service database is unavailable; retry shortly.",
+                                      type="server_error", headers={"Retry-After": "2"}))
+    except Exception:
+        log.exception("internal error while serving %s", draft.request_id)
+        err = ApiError(500, "internal_error", "The server failed while answering this request.", type="server_error")
+        if draft.record_id is not None:
+            try:
+                audit.finalise(draft, ok=False, http_status=500, error_code=err.code, error_message=err.message)
+            except DatabaseError:
+                pass
+        return _error(draft, err)
     finally:
         if not streaming:  # a stream releases its slot and counts itself when it ends
             metrics.IN_FLIGHT.dec()

@@ -205,3 +205,11 @@ def test_rows_left_pending_by_a_dead_web_process_are_closed_once(api):
     old.refresh_from_db()
     fresh.refresh_from_db()
     assert (old.status, old.error_code) == ("error", "abandoned") and fresh.status == "pending"
+
+
+def test_a_bug_is_a_500_in_openai_shape_and_the_row_is_still_final(api, post):
+    api.dispatcher.answer = lambda job, meta: RuntimeError("bug")
+    r = post("/v1/completions", body(), key=api.acme_secret)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    row = AuditRecord.objects.get()
+    assert (row.status, row.http_status, row.error_code) == ("error", 500, "internal_error")
