@@ -4,7 +4,8 @@ torch per-segment loop, side by side in one run.
     .venv/bin/python bench/gpu_kernels.py          # on a machine with a CUDA GPU, ~2 minutes
     TRITON_INTERPRET=1 .venv/bin/python bench/gpu_kernels.py --smoke   # CPU: tiny shapes, checks code paths only
 
-bf16 weights and activations, r = 16, all seven projections of a decoder layer summed per cell.
+bf16 weights and activations, r = 16, all seven projections of a decoder layer summed per cell, B stacks
+rank-major in memory (kernels/dispatch.py says why).
 Timing is triton.testing.do_bench (L2 flushed before every repeat), eager and as a CUDA graph replay
 (the bandwidth figures use the graph time: GPU time without Python launch overhead). "bytes" is what the op must move at
 least: A and B of the distinct adapters in the batch, x, and out read and written. The fraction is taken
@@ -98,8 +99,9 @@ def main() -> None:
           f"{peak / 1e9:.0f} GB/s" if peak else f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s measured")
 
     def make_layer(r_max: int) -> dict:
+        # B: [S, d_out, r_max] as a view of rank-major memory, so a rank-r slot reads r rows of d_out
         return {n: (torch.randn(SLOTS, r_max, d_in, device=device, dtype=dtype) * 0.05,  # [S, r_max, d_in]
-                    torch.randn(SLOTS, d_out, r_max, device=device, dtype=dtype) * 0.05)  # [S, d_out, r_max]
+                    (torch.randn(SLOTS, r_max, d_out, device=device, dtype=dtype) * 0.05).transpose(1, 2))
                 for n, (d_in, d_out) in projections.items()}
 
     layer = make_layer(16)
