@@ -1,7 +1,8 @@
 from django.contrib import admin
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
+from drf_spectacular.views import SpectacularAPIView
 
+from gateway.docs import api_docs
 from gateway.metrics import metrics_view
 
 urlpatterns = [
@@ -9,7 +10,7 @@ urlpatterns = [
     path("v1/", include("gateway.urls")),  # OpenAI-compatible inference API
     path("metrics", metrics_view, name="metrics"),  # Prometheus
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
-    path("api/docs/", SpectacularRedocView.as_view(url_name="schema"), name="api-docs"),
+    path("api/docs/", api_docs, name="api-docs"),  # rendered on the server: works offline
     path("", include("tenants.urls")),  # dashboard: login, tenant switcher, keys, members
     path("", include("adapters.urls")),  # dashboard: adapters, versions, usage, audit, capacity
 ]

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 from django.http import JsonResponse
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import exceptions
+from rest_framework.authentication import BaseAuthentication
+from rest_framework.parsers import JSONParser
 from rest_framework.views import APIView
 
 from adapters.models import Adapter, BaseModel
@@ -17,13 +21,44 @@ _ERRORS = {code: OpenApiResponse(s.ErrorResponse) for code in (400, 401, 403, 40
 _SECURITY = [{"bearerAuth": []}]
 
 
-class OpenAIView(APIView):
-    """No DRF authentication or parsing: the key and the body are checked by gateway code that answers
-    every refusal in OpenAI's error shape."""
+class ApiKeyInHeader(BaseAuthentication):
+    """Documents `Authorization: Bearer <key>` in the schema. It authenticates nothing itself: the views
+    check the key (gateway/auth.py) so that every refusal is answered in OpenAI's error shape."""
 
-    authentication_classes: list = []
+    def authenticate(self, request):
+        return None
+
+    def authenticate_header(self, request) -> str:
+        return 'Bearer realm="lorafleet"'
+
+
+class ApiKeyScheme(OpenApiAuthenticationExtension):
+    target_class = ApiKeyInHeader
+    name = "bearerAuth"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "description": "An API key: `lf_live_…`."}
+
+
+class OpenAIView(APIView):
+    """The body is read raw and checked by gateway/params.py (DRF never parses it: JSONParser is listed
+    for the schema only), so every refusal is answered in OpenAI's error shape."""
+
+    authentication_classes = [ApiKeyInHeader]
     permission_classes: list = []
-    parser_classes: list = []
+    parser_classes = [JSONParser]
+
+    def perform_content_negotiation(self, request, force=False):
+        # `Accept: text/event-stream` (streaming clients) must not be a 406: the view picks the format.
+        return super().perform_content_negotiation(request, force=True)
+
+    def handle_exception(self, exc):
+        """DRF's own refusals (405, malformed headers...) in OpenAI's error shape too."""
+        if isinstance(exc, exceptions.APIException):
+            codes = exc.get_codes()
+            code = codes if isinstance(codes, str) else "invalid_request"
+            return ApiError(exc.status_code, code, str(exc.detail)).response()
+        return super().handle_exception(exc)
 
 
 class CompletionsView(OpenAIView):

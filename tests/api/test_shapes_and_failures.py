@@ -191,7 +191,14 @@ def test_metrics_schema_and_docs(api, post, client):
     assert schema.status_code == 200
     paths = json.loads(schema.content)["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(paths)
-    assert client.get("/api/docs/").status_code == 200
+    request_body = paths["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert request_body["$ref"].endswith("/CompletionRequest")
+    assert paths["/v1/completions"]["post"]["security"] == [{"bearerAuth": []}]
+    docs = client.get("/api/docs/")
+    assert docs.status_code == 200
+    page = docs.content.decode()
+    assert "/v1/chat/completions" in page and "adapter_not_found" in page and "max_tokens" in page
+    assert "<script" not in page  # nothing to fetch from a CDN: readable offline
 
 
 def test_rows_left_pending_by_a_dead_web_process_are_closed_once(api):
@@ -213,3 +220,10 @@ def test_a_bug_is_a_500_in_openai_shape_and_the_row_is_still_final(api, post):
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
     row = AuditRecord.objects.get()
     assert (row.status, row.http_status, row.error_code) == ("error", 500, "internal_error")
+
+
+def test_wrong_method_and_event_stream_accept_headers_keep_the_openai_shape(api, client, post):
+    r = client.get("/v1/completions", HTTP_AUTHORIZATION=f"Bearer {api.acme_secret}")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    r = post("/v1/completions", body(stream=True), key=api.acme_secret, HTTP_ACCEPT="text/event-stream")
+    assert r.status_code == 200 and r["Content-Type"] == "text/event-stream"
