@@ -52,6 +52,15 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _encodable(value: str, param: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800") that no tokenizer can encode: a 400, not a crash."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(f"{param} is not valid Unicode text.", param=param) from None
+    return value
+
+
 def parse_completion(body: dict[str, Any]) -> GenerationParams:
     _refuse_unknown(body, COMPLETION_FIELDS)
     for name, default in (("suffix", None), ("echo", False), ("best_of", 1)):
@@ -63,7 +72,7 @@ def parse_completion(body: dict[str, Any]) -> GenerationParams:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt must not be empty.", param="prompt")
-        params.prompt = prompt
+        params.prompt = _encodable(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
         params.prompt_token_ids = [int(t) for t in prompt]
     elif prompt is None:
@@ -90,7 +99,8 @@ def parse_chat(body: dict[str, Any]) -> GenerationParams:
         if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}.", param=f"messages[{i}].role")
         params.messages.append({"role": "system" if message["role"] == "developer" else message["role"],
-                                "content": _message_text(message.get("content"), i)})
+                                "content": _encodable(_message_text(message.get("content"), i),
+                                                      f"messages[{i}].content")})
     return params
 
 
@@ -190,4 +200,4 @@ def _stop(value: Any) -> list[str]:
         value = [value]
     if not isinstance(value, list) or len(value) > MAX_STOP or not all(isinstance(s, str) and s for s in value):
         raise invalid(f"stop must be a non-empty string or a list of up to {MAX_STOP} of them.", param="stop")
-    return value
+    return [_encodable(s, "stop") for s in value]

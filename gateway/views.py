@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from django.http import JsonResponse
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
@@ -18,7 +19,8 @@ from .errors import ApiError
 from .serving import serve
 
 _ERRORS = {code: OpenApiResponse(s.ErrorResponse) for code in (400, 401, 403, 404, 409, 410, 429, 502, 503, 504)}
-_SECURITY = [{"bearerAuth": []}]
+_SSE = OpenApiResponse(OpenApiTypes.STR, description="With `stream: true`: server-sent events, one OpenAI chunk "
+                                                     "per `data:` line, then `data: [DONE]`.")
 
 
 class ApiKeyInHeader(BaseAuthentication):
@@ -63,7 +65,8 @@ class OpenAIView(APIView):
 
 class CompletionsView(OpenAIView):
     @extend_schema(
-        operation_id="create_completion", request=s.CompletionRequest, responses={200: s.CompletionResponse, **_ERRORS},
+        operation_id="create_completion", request=s.CompletionRequest,
+        responses={(200, "application/json"): s.CompletionResponse, (200, "text/event-stream"): _SSE, **_ERRORS},
         description="Text completion with one of your adapters. `stream: true` answers with server-sent events.",
     )
     def post(self, request):
@@ -72,7 +75,8 @@ class CompletionsView(OpenAIView):
 
 class ChatCompletionsView(OpenAIView):
     @extend_schema(
-        operation_id="create_chat_completion", request=s.ChatRequest, responses={200: s.ChatResponse, **_ERRORS},
+        operation_id="create_chat_completion", request=s.ChatRequest,
+        responses={(200, "application/json"): s.ChatResponse, (200, "text/event-stream"): _SSE, **_ERRORS},
         description="Chat completion; messages are rendered with the base model's chat template.",
     )
     def post(self, request):

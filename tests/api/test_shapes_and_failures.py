@@ -227,3 +227,10 @@ def test_wrong_method_and_event_stream_accept_headers_keep_the_openai_shape(api,
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     r = post("/v1/completions", body(stream=True), key=api.acme_secret, HTTP_ACCEPT="text/event-stream")
     assert r.status_code == 200 and r["Content-Type"] == "text/event-stream"
+
+
+def test_text_no_tokenizer_can_encode_is_a_400(api, client):
+    raw = '{"model": "support-bot", "prompt": "bad \\ud800 text"}'
+    r = client.post("/v1/completions", data=raw, content_type="application/json",
+                    HTTP_AUTHORIZATION=f"Bearer {api.acme_secret}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
