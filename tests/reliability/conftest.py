@@ -125,3 +125,51 @@ def realm(world, tiny_checkpoint, dispatcher, adapter_storage_dir):
                                               http_status=200)
     w.dispatcher = dispatcher
     return w
+
+
+# --- a real stack (PostgreSQL, Redis, a worker subprocess, gunicorn) for audit and fault tests -----
+
+
+@pytest.fixture(scope="session")
+def rel_stack(tmp_path_factory):
+    """A light copy of tests/e2e's stack (one tenant, two adapters) in its own database, built with
+    tests/e2e's helpers so the two cannot drift; its queues carry a per-session suffix, so the shared
+    Redis is never flushed. With CI=true a missing PostgreSQL or Redis fails instead of skipping."""
+    import json
+    import secrets
+    import subprocess
+
+    from tests.e2e import conftest as e2e_helpers
+
+    e2e_helpers._require(f"PostgreSQL at {e2e_helpers.ADMIN_DB_URL}", e2e_helpers._reachable(e2e_helpers.ADMIN_DB_URL, 5432))
+    e2e_helpers._require(f"Redis at {e2e_helpers.REDIS_URL}", e2e_helpers._reachable(e2e_helpers.REDIS_URL, 6379))
+    root = tmp_path_factory.mktemp("rel_stack")
+    suffix = "r" + secrets.token_hex(3)
+    db_name = f"lorafleet_rel_{suffix}"
+    with e2e_helpers.pg_connect(e2e_helpers.ADMIN_DB_URL) as admin:
+        admin.execute(f'CREATE DATABASE "{db_name}"')
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "PYTHONPATH": str(e2e_helpers.REPO),
+           "DATABASE_URL": e2e_helpers._db_url(db_name), "CELERY_BROKER_URL": e2e_helpers.REDIS_URL,
+           "LORAFLEET_VAR_DIR": str(root / "var"), "LORAFLEET_STORAGE_DIR": str(root / "storage"),
+           "LORAFLEET_LOG_LEVEL": "WARNING", "TRITON_INTERPRET": "1"}
+    env.pop("CELERY_RESULT_BACKEND", None)
+    stack = e2e_helpers.Stack(root, env)
+    try:
+        run = dict(cwd=e2e_helpers.REPO, env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run([e2e_helpers.PYTHON, "manage.py", "migrate", "--noinput"], **run)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        from inference_worker.tiny_base import build_tiny_base
+
+        checkpoint = build_tiny_base(root / "tiny", arch="llama", seed=11)
+        out = subprocess.run([e2e_helpers.PYTHON, str(e2e_helpers.REPO / "tests/e2e/seed_stack.py"), str(checkpoint),
+                              str(root), suffix, "light"], **run)
+        assert out.returncode == 0, out.stderr[-4000:]
+        seed = json.loads(out.stdout.strip().splitlines()[-1])
+        stack.start_web()
+        worker = stack.start_worker(seed["bases"]["main"]["slug"])
+        yield SimpleNamespace(stack=stack, seed=seed, url=stack.web_url, worker=worker, root=root, env=env,
+                              storage=root / "storage", db_url=env["DATABASE_URL"], db_name=db_name, suffix=suffix)
+    finally:
+        stack.close()
+        with e2e_helpers.pg_connect(e2e_helpers.ADMIN_DB_URL) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
