@@ -1,7 +1,7 @@
 """The request path of /v1/completions and /v1/chat/completions (DESIGN.md "Request path").
 
     authenticate -> rate limits -> parse -> bind the adapter -> build and measure the prompt
-      -> pending audit row (committed) -> publish on the base's queue (on commit)
+      -> pending audit row (committed) -> publish on the base's queue (after the commit)
       -> wait for the worker's reply (or stream it) -> finalise the audit row once -> answer
 
 Every exit, success or failure, leaves exactly one audit row (see gateway/audit.py), counts in
@@ -134,26 +134,19 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
         "max_attempts": int(getattr(settings, "LORAFLEET_MAX_ATTEMPTS", 3)),
     }
     dispatcher = get_dispatcher()
-    published: list[Exception] = []
-
-    def publish() -> None:
-        try:
-            dispatcher.publish(job, meta, queue=target.base.queue_name, expires_s=timeout)
-            metrics.ENQUEUED.labels(base=target.base.slug).inc()
-        except QueueUnavailable as exc:
-            published.append(exc)
-
     # The job is published only once its pending audit row is committed: no answer without a record.
     # `durable=True` makes this block the outermost transaction (Django raises if anything wraps it;
     # the views are non_atomic_requests), so the row is committed when the block exits and the job is
-    # published right after — what on_commit would do, minus the way to defer it past the wait below.
+    # published right after — what on_commit would do, without a way to defer it past the wait below.
     with transaction.atomic(durable=True):
         audit.open_pending(draft)
-    publish()
-    if published:
+    try:
+        dispatcher.publish(job, meta, queue=target.base.queue_name, expires_s=timeout)
+    except QueueUnavailable as exc:
         err = queue_unavailable()
-        audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=str(published[0]))
+        audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=str(exc))
         return _error(draft, err)
+    metrics.ENQUEUED.labels(base=target.base.slug).inc()
     if not connection.in_atomic_block:
         connection.close()  # do not hold a database connection while waiting on a worker
 
