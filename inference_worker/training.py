@@ -130,6 +130,16 @@ def style_examples(style: str) -> list[tuple[str, str]]:
 # --- shared training plumbing ----------------------------------------------------------------------
 
 
+def _quiet_transformers() -> None:
+    """Our own tqdm bars are the progress; hide transformers' per-load bars and a PEFT deprecation note."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
 def _seed_everything(seed: int) -> torch.Generator:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -248,6 +258,7 @@ def train_base(out_dir: str | Path, *, seconds: float = 60.0, seed: int = 0, sha
     """
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+    _quiet_transformers()
     out = Path(out_dir)
     (out / MARKER).unlink(missing_ok=True)
     build_tiny_base(out, arch="llama", seed=seed, hidden=shape.hidden, layers=shape.layers, heads=shape.heads,
@@ -330,6 +341,7 @@ def train_style_adapter(base_dir: str | Path, out_dir: str | Path, style: str, *
 
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; known: {', '.join(STYLES)}")
+    _quiet_transformers()
     gen = _seed_everything(seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base_dir))
     pad_id = tokenizer.pad_token_id
