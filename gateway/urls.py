@@ -1,5 +1,5 @@
 from django.db.transaction import non_atomic_requests
-from django.urls import path
+from django.urls import path, re_path
 
 from . import views
 
@@ -10,4 +10,7 @@ urlpatterns = [
     path("chat/completions", non_atomic_requests(views.ChatCompletionsView.as_view()), name="chat-completions"),
     path("models", views.ModelsView.as_view(), name="models"),
     path("models/<path:model>", views.ModelDetailView.as_view(), name="model-detail"),
+    # anything else under /v1/ (including paths the converters cannot match, e.g. with a newline):
+    # a JSON 404 in OpenAI's shape, never Django's HTML page
+    re_path(r"^(?s:.*)$", views.unknown_route, name="unknown"),
 ]

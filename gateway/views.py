@@ -141,3 +141,7 @@ class ModelDetailView(OpenAIView):
         entry["id"] = model
         entry["lorafleet"].update(version=target.version.number, weights_sha256=target.version.sha256)
         return JsonResponse(entry)
+
+
+def unknown_route(request, *args, **kwargs):
+    return ApiError(404, "not_found", f"No API route {request.path!r}; see /api/docs/.").response()

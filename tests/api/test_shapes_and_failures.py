@@ -234,3 +234,9 @@ def test_text_no_tokenizer_can_encode_is_a_400(api, client):
     r = client.post("/v1/completions", data=raw, content_type="application/json",
                     HTTP_AUTHORIZATION=f"Bearer {api.acme_secret}")
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_unknown_v1_routes_answer_json(api, client):
+    for path in ("/v1/nothing", "/v1/models/a%0Ab", "/v1/completions/extra"):
+        r = client.get(path, HTTP_AUTHORIZATION=f"Bearer {api.acme_secret}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", path
