@@ -240,3 +240,30 @@ def test_unknown_v1_routes_answer_json(api, client):
     for path in ("/v1/nothing", "/v1/models/a%0Ab", "/v1/completions/extra"):
         r = client.get(path, HTTP_AUTHORIZATION=f"Bearer {api.acme_secret}")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", path
+
+
+def test_a_stream_that_fails_after_it_started_says_so_in_band_and_on_the_record(api, post):
+    def fail_midway(job, meta):
+        result = GenerationResult(request_id=job.request_id, status="error", error_code="internal_error",
+                                  error_message="engine failed")
+        return [{"type": "delta", "text": "hel", "worker_id": "w1", "adapter_sha256": job.adapter.sha256},
+                {"type": "final", "result": result.to_dict(), "worker_id": "w1", "attempts": 1}]
+
+    api.dispatcher.answer = fail_midway
+    r = post("/v1/completions", body(stream=True), key=api.acme_secret)
+    assert r.status_code == 200  # the status line went out with the first token
+    raw = b"".join(r.streaming_content).decode()
+    events = [json.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
+    assert events[0]["choices"][0]["text"] == "hel"
+    assert events[-1]["error"]["code"] == "internal_error" and "[DONE]" not in raw
+    row = AuditRecord.objects.get()
+    assert (row.status, row.error_code) == ("error", "internal_error")
+
+
+def test_a_client_that_leaves_mid_stream_is_recorded_and_its_job_cancelled(api, post):
+    r = post("/v1/completions", body(stream=True), key=api.acme_secret)
+    next(iter(r.streaming_content))  # the first chunk, then the client goes away
+    r.close()
+    row = AuditRecord.objects.get()
+    assert (row.status, row.error_code) == ("error", "client_disconnected")
+    assert api.dispatcher.cancelled == [str(row.request_id)]
