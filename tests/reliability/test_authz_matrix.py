@@ -308,6 +308,7 @@ def test_cross_tenant_api_never_reaches_the_queue(realm):
 
 
 def test_empty_upload_post_is_a_named_400(realm):
+    """Found by this suite (was a 500: an unbound form has no errors to name); fixed in 695289f."""
     client = Client()
     client.force_login(realm.alice)
     response = client.post(reverse("adapters:upload", args=[realm.acme_only.pk]))
