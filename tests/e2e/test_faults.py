@@ -59,6 +59,7 @@ def test_a_request_that_kills_its_worker_ends_recorded_and_a_dead_broker_is_a_fa
         elapsed = time.monotonic() - started
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_unavailable", r.text
         assert elapsed < 2.0, f"503 took {elapsed:.2f} s"
+        print(f"\nbroker down: 503 in {elapsed * 1000:.0f} ms")
         rows = db_rows("SELECT status, http_status, error_code FROM gateway_auditrecord WHERE request_id::text = %s",
                        (r.headers["X-Lorafleet-Request-Id"],))
         assert rows == [{"status": "error", "http_status": 503, "error_code": "queue_unavailable"}]
