@@ -20,7 +20,28 @@ from django.db import transaction
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver, reverse
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db]
+
+
+def _reverse_is_broken() -> bool:
+    from django.urls import NoReverseMatch, reverse
+
+    try:
+        reverse("adapters:list")
+    except NoReverseMatch:
+        return False
+    except ValueError:
+        return True
+    return False
+
+
+# BUG gateway/urls.py (669a2b3): the catch-all `re_path(r"^(?s:.*)$", name="unknown")` makes Django's URL
+# reversing raise "ValueError: Non-reversible reg-exp portion: '(?s'" for EVERY name in the project, so
+# every reverse()/{% url %}/redirect("name") fails. While that holds, these tests are expected to fail;
+# once fixed the condition is False and they run normally (strict: no silent pass).
+REVERSE_BROKEN = pytest.mark.xfail(_reverse_is_broken(), strict=True, reason="BUG gateway/urls.py: the (?s:.*) catch-all "
+                                   "breaks reverse() for every URL name (ValueError: Non-reversible reg-exp portion)")
+
 
 USERS = ("owner", "member", "viewer", "other_user")
 KEYS = ("same_key", "other_key", "revoked_key", "expired_key", "badsum_key")
@@ -115,6 +136,10 @@ def _models_list_is_own(realm, caller, response):
         assert ("acme-only" in ids) == (caller == "same_key"), (caller, ids)
 
 
+def _json_error(response):
+    assert response["Content-Type"].startswith("application/json") and "error" in response.json()
+
+
 COMPLETION = {"model": "acme-only", "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": "acme-only", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 
@@ -179,6 +204,9 @@ ACTIONS: list[Action] = [
            _api(200, 404), api=True),
     Action("gateway:model-detail", "GET", lambda r: reverse("gateway:model-detail", args=["acme-only@1"]),
            _api(200, 404), api=True),
+    # any other /v1/ path: a JSON 404 whoever asks (it names no object, so it needs no credentials)
+    Action("gateway:unknown", "POST", lambda r: "/v1/embeddings", _everyone(404), data=lambda r: COMPLETION,
+           api=True, check=lambda r, c, resp: _json_error(resp)),
 ]
 
 # The Django admin: staff only. No user of the matrix is staff, so every admin page sends everyone
@@ -245,7 +273,8 @@ def _assert_cell(action: Action, caller: str, response) -> None:
         assert got == want, f"{where}: {got}, expected {want}: {response.content[:300]!r}"
 
 
-@pytest.mark.parametrize("action", ACTIONS, ids=lambda a: f"{a.method}-{a.route}")
+@pytest.mark.parametrize("action", [pytest.param(a, marks=() if a.route == "gateway:unknown" else REVERSE_BROKEN)
+                                    for a in ACTIONS], ids=lambda a: f"{a.method}-{a.route}")
 def test_matrix_row(realm, action):
     """One route, every caller. Dashboard cells run in a savepoint that is rolled back, so a write by
     one caller cannot change what the next one sees; API cells cannot (the gateway opens a durable
@@ -279,6 +308,7 @@ def _targets_acme_object(action: Action) -> bool:
                             "gateway:chat-completions", "gateway:model-detail")
 
 
+@REVERSE_BROKEN
 def test_admin_is_staff_only(realm):
     """Every registered model's admin changelist (and the index) sends every matrix caller to the admin login."""
     from django.contrib import admin
@@ -313,3 +343,17 @@ def test_empty_upload_post_is_a_named_400(realm):
     client.force_login(realm.alice)
     response = client.post(reverse("adapters:upload", args=[realm.acme_only.pk]))
     assert response.status_code == 400
+
+
+@REVERSE_BROKEN
+def test_every_named_route_reverses():
+    """reverse() must work for every named route: templates, redirects and this matrix all depend on it."""
+    from django.urls import reverse
+
+    for name in _route_names():
+        if name.startswith("admin:") or name in ("gateway:model-detail", "gateway:unknown", "gateway:models"):
+            continue
+        try:
+            reverse(name)
+        except Exception as exc:  # NoReverseMatch for routes with arguments is fine; anything else is the bug
+            assert type(exc).__name__ == "NoReverseMatch", f"{name}: {exc!r}"
