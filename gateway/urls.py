@@ -12,5 +12,5 @@ urlpatterns = [
     path("models/<path:model>", views.ModelDetailView.as_view(), name="model-detail"),
     # anything else under /v1/ (including paths the converters cannot match, e.g. with a newline):
     # a JSON 404 in OpenAI's shape, never Django's HTML page
-    re_path(r"^(?s:.*)$", views.unknown_route, name="unknown"),
+    re_path(r"^[\s\S]*$", views.unknown_route, name="unknown")  # [\s\S]: newlines too, and still reversible,
 ]
