@@ -88,6 +88,9 @@ def finalise(draft: AuditDraft, *, ok: bool, http_status: int, error_code: str =
         "total_seconds": draft.elapsed(),
         "worker_id": (worker_id or "")[:200],
     }
+    for name, value in fields.items():
+        if isinstance(value, str):  # PostgreSQL text cannot hold NUL (see AuditRecord.save)
+            fields[name] = value.replace("\x00", "\ufffd")
     if attempts is not None:
         fields["attempts"] = min(attempts, 32767)
     if result is not None:

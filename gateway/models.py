@@ -95,6 +95,12 @@ class AuditRecord(models.Model):
         return self.status != AuditStatus.PENDING
 
     def save(self, *args, **kwargs):
+        # Text here may echo what a caller sent (a field name in an error message): PostgreSQL text
+        # cannot hold NUL, and a refusal must never turn into a 500 because its audit row failed.
+        for field in self._meta.concrete_fields:
+            value = getattr(self, field.attname)
+            if isinstance(value, str) and "\x00" in value:
+                setattr(self, field.attname, value.replace("\x00", "\ufffd"))
         if self.pk is not None and not self._state.adding:
             stored = type(self).objects.filter(pk=self.pk).values_list("status", flat=True).first()
             if stored is not None and stored != AuditStatus.PENDING:
