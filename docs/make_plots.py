@@ -1,0 +1,113 @@
+"""Turn bench/RESULTS.md into the PNG plots the README shows (docs/*.png).
+
+    .venv/bin/python docs/make_plots.py
+
+Reads the markdown tables the benches wrote, so the plots always show the recorded figures.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "RESULTS.md"
+DOCS = ROOT / "docs"
+
+
+def section(text: str, heading_prefix: str) -> str:
+    parts = re.split(r"^## ", text, flags=re.M)
+    for part in parts:
+        if part.startswith(heading_prefix):
+            return part
+    raise SystemExit(f"no section starting {heading_prefix!r} in {RESULTS}")
+
+
+def tables(md: str) -> list[list[dict]]:
+    """Every markdown table in `md`, as a list of row dicts keyed by the header cells."""
+    found, lines = [], md.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and re.match(r"^\|[\s:|-]+\|$", lines[i + 1]):
+            header = [c.strip() for c in lines[i].strip("|").split("|")]
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(dict(zip(header, [c.strip() for c in lines[i].strip("|").split("|")])))
+                i += 1
+            found.append(rows)
+        else:
+            i += 1
+    return found
+
+
+def number(cell: str) -> float:
+    match = re.search(r"-?[\d.]+", cell.replace(",", ""))
+    return float(match.group()) if match else float("nan")
+
+
+def plot_kernels(text: str) -> Path:
+    rows = tables(section(text, "Kernels (CPU)"))[0]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    by_adapters: dict[int, list[tuple[float, float, float, float]]] = {}
+    for row in rows:
+        adapters = int(number(row["adapters"]))
+        by_adapters.setdefault(adapters, []).append(
+            (number(row["tokens"]), number(row["of copy bw"]), number(row["ours ms"]), number(row["naive loop ms"]))
+        )
+    for adapters, points in sorted(by_adapters.items()):
+        tokens = [p[0] for p in points]
+        left.plot(tokens, [p[1] for p in points], marker="o", label=f"{adapters} adapters")
+        right.plot(tokens, [p[3] / p[2] for p in points], marker="o", label=f"{adapters} adapters")
+    left.axhline(50, color="grey", linestyle="--", linewidth=1)
+    left.text(1, 52, "goal 50%", color="grey")
+    left.set(xscale="log", xlabel="tokens in the batch", ylabel="% of measured copy bandwidth",
+             title="SGMV CPU path, Llama-2-7B shapes, r=16")
+    right.axhline(1, color="grey", linestyle="--", linewidth=1)
+    right.set(xscale="log", xlabel="tokens in the batch", ylabel="× faster than a per-request loop",
+              title="SGMV vs naive per-request loop")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    out = DOCS / "kernels_cpu.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def plot_engine(text: str) -> Path | None:
+    try:
+        md = section(text, "Engine")
+    except SystemExit:
+        return None
+    found = [t for t in tables(md) if t and any("tok/s" in key for key in t[0])]
+    if not found:
+        return None
+    rows = found[0]
+    label_key = next(iter(rows[0]))
+    value_keys = [k for k in rows[0] if "tok/s" in k]
+    fig, axes = plt.subplots(1, len(value_keys), figsize=(5 * len(value_keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], value_keys):
+        labels = [row[label_key] for row in rows]
+        values = [number(row[key]) for row in rows]
+        ax.barh(labels, values, color="#4c72b0")
+        ax.set(xlabel=key, title=key)
+        ax.invert_yaxis()
+    fig.suptitle("Engine throughput (bench/engine.py)")
+    fig.tight_layout()
+    out = DOCS / "engine_throughput.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main() -> None:
+    text = RESULTS.read_text()
+    for out in (plot_kernels(text), plot_engine(text)):
+        if out is not None:
+            print(f"wrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
