@@ -14,6 +14,9 @@ import os
 import socket
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# OpenMP threads spin-wait by default; on a shared 2-core box a spinning torch step starves the worker
+# and web subprocesses the end-to-end tests start. Set before anything imports torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 
