@@ -78,24 +78,26 @@ def plot_kernels(text: str) -> Path:
 
 
 def plot_engine(text: str) -> Path | None:
+    """Mid-model tok/s per system, one group of bars per recorded run."""
     try:
         md = section(text, "Engine")
     except SystemExit:
         return None
-    found = [t for t in tables(md) if t and any("tok/s" in key for key in t[0])]
+    found = [t for t in tables(md) if t and "lorafleet base" in t[0]]
     if not found:
         return None
     rows = found[0]
-    label_key = next(iter(rows[0]))
-    value_keys = [k for k in rows[0] if "tok/s" in k]
-    fig, axes = plt.subplots(1, len(value_keys), figsize=(5 * len(value_keys), 4), squeeze=False)
-    for ax, key in zip(axes[0], value_keys):
-        labels = [row[label_key] for row in rows]
-        values = [number(row[key]) for row in rows]
-        ax.barh(labels, values, color="#4c72b0")
-        ax.set(xlabel=key, title=key)
-        ax.invert_yaxis()
-    fig.suptitle("Engine throughput (bench/engine.py)")
+    run_key = next(iter(rows[0]))
+    systems = [k for k in rows[0] if k != run_key]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs = [r + i * width for r in range(len(rows))]
+        ax.bar(xs, [number(row[system]) for row in rows], width, label=system)
+    ax.set_xticks([r + 0.4 - width / 2 for r in range(len(rows))], [row[run_key] for row in rows])
+    ax.set(ylabel="generated tok/s", xlabel="run (start time, load average)",
+           title="Mid model, 64 concurrent requests, Zipf over 100 adapters (bench/engine.py; shared 2-core box)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     out = DOCS / "engine_throughput.png"
     fig.savefig(out, dpi=110)
