@@ -260,6 +260,9 @@ def test_a_stream_that_fails_after_it_started_says_so_in_band_and_on_the_record(
     assert (row.status, row.error_code) == ("error", "internal_error")
 
 
+# Closing a response sends request_finished, which (as in production) closes the database connection;
+# inside a rolled-back test transaction that would lose the transaction, so this test commits for real.
+@pytest.mark.django_db(transaction=True)
 def test_a_client_that_leaves_mid_stream_is_recorded_and_its_job_cancelled(api, post):
     r = post("/v1/completions", body(stream=True), key=api.acme_secret)
     next(iter(r.streaming_content))  # the first chunk, then the client goes away
