@@ -23,26 +23,6 @@ from django.urls import URLPattern, URLResolver, get_resolver, reverse
 pytestmark = [pytest.mark.django_db]
 
 
-def _reverse_is_broken() -> bool:
-    from django.urls import NoReverseMatch, reverse
-
-    try:
-        reverse("adapters:list")
-    except NoReverseMatch:
-        return False
-    except ValueError:
-        return True
-    return False
-
-
-# BUG gateway/urls.py (669a2b3): the catch-all `re_path(r"^(?s:.*)$", name="unknown")` makes Django's URL
-# reversing raise "ValueError: Non-reversible reg-exp portion: '(?s'" for EVERY name in the project, so
-# every reverse()/{% url %}/redirect("name") fails. While that holds, these tests are expected to fail;
-# once fixed the condition is False and they run normally (strict: no silent pass).
-REVERSE_BROKEN = pytest.mark.xfail(_reverse_is_broken(), strict=True, reason="BUG gateway/urls.py: the (?s:.*) catch-all "
-                                   "breaks reverse() for every URL name (ValueError: Non-reversible reg-exp portion)")
-
-
 USERS = ("owner", "member", "viewer", "other_user")
 KEYS = ("same_key", "other_key", "revoked_key", "expired_key", "badsum_key")
 CALLERS = USERS + KEYS + ("anonymous",)
@@ -273,8 +253,7 @@ def _assert_cell(action: Action, caller: str, response) -> None:
         assert got == want, f"{where}: {got}, expected {want}: {response.content[:300]!r}"
 
 
-@pytest.mark.parametrize("action", [pytest.param(a, marks=() if a.route == "gateway:unknown" else REVERSE_BROKEN)
-                                    for a in ACTIONS], ids=lambda a: f"{a.method}-{a.route}")
+@pytest.mark.parametrize("action", ACTIONS, ids=lambda a: f"{a.method}-{a.route}")
 def test_matrix_row(realm, action):
     """One route, every caller. Dashboard cells run in a savepoint that is rolled back, so a write by
     one caller cannot change what the next one sees; API cells cannot (the gateway opens a durable
@@ -308,7 +287,6 @@ def _targets_acme_object(action: Action) -> bool:
                             "gateway:chat-completions", "gateway:model-detail")
 
 
-@REVERSE_BROKEN
 def test_admin_is_staff_only(realm):
     """Every registered model's admin changelist (and the index) sends every matrix caller to the admin login."""
     from django.contrib import admin
@@ -345,7 +323,6 @@ def test_empty_upload_post_is_a_named_400(realm):
     assert response.status_code == 400
 
 
-@REVERSE_BROKEN
 def test_every_named_route_reverses():
     """reverse() must work for every named route: templates, redirects and this matrix all depend on it."""
     from django.urls import reverse

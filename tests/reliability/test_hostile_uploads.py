@@ -28,25 +28,6 @@ from safetensors.torch import load_file, save_file
 pytestmark = [pytest.mark.django_db]
 
 
-def _reverse_is_broken() -> bool:
-    from django.urls import NoReverseMatch, reverse
-
-    try:
-        reverse("adapters:list")
-    except NoReverseMatch:
-        return False
-    except ValueError:
-        return True
-    return False
-
-
-# BUG gateway/urls.py (669a2b3): the catch-all `re_path(r"^(?s:.*)$", name="unknown")` makes Django's URL
-# reversing raise "ValueError: Non-reversible reg-exp portion: '(?s'" for EVERY name in the project, so
-# every reverse()/{% url %}/redirect("name") fails. While that holds, these tests are expected to fail;
-# once fixed the condition is False and they run normally (strict: no silent pass).
-REVERSE_BROKEN = pytest.mark.xfail(_reverse_is_broken(), strict=True, reason="BUG gateway/urls.py: the (?s:.*) catch-all "
-                                   "breaks reverse() for every URL name (ValueError: Non-reversible reg-exp portion)")
-
 
 FULL = os.environ.get("LORAFLEET_FAULTS_FULL", "").lower() in ("1", "true", "yes")
 TIME_LIMIT_S = 5.0
@@ -307,7 +288,6 @@ def test_the_pickle_payload_is_live(tmp_path):
     assert proof.exists()
 
 
-@REVERSE_BROKEN
 def test_every_hostile_upload_is_refused(realm, as_alice, peft_folder, rank_over_cap, adapter_storage_dir, tmp_path):
     canary = tmp_path / "canary"
     url = reverse("adapters:upload", args=[realm.acme_only.pk])
@@ -330,7 +310,6 @@ def test_every_hostile_upload_is_refused(realm, as_alice, peft_folder, rank_over
     print("\nhostile uploads:\n" + "\n".join(json.dumps(f) for f in FIGURES))
 
 
-@REVERSE_BROKEN
 def test_a_declared_10_gb_body_is_refused_unread(realm, as_alice, peft_folder, adapter_storage_dir, tmp_path):
     body = EndlessBody((peft_folder / "adapter_config.json").read_bytes(), TEN_GB)
     versions_before = _versions(realm)
@@ -346,7 +325,6 @@ def test_a_declared_10_gb_body_is_refused_unread(realm, as_alice, peft_folder, a
     print("\n" + json.dumps(FIGURES[-1]))
 
 
-@REVERSE_BROKEN
 def test_a_stream_past_the_cap_is_cut_off_early(realm, as_alice, peft_folder, adapter_storage_dir, tmp_path, settings):
     """The declared length passes the early check, the stream keeps coming: reading stops at the cap."""
     from adapters.validation import MAX_CONFIG_BYTES

@@ -20,25 +20,6 @@ from django.urls import URLPattern, URLResolver, get_resolver, reverse
 pytestmark = [pytest.mark.django_db]
 
 
-def _reverse_is_broken() -> bool:
-    from django.urls import NoReverseMatch, reverse
-
-    try:
-        reverse("adapters:list")
-    except NoReverseMatch:
-        return False
-    except ValueError:
-        return True
-    return False
-
-
-# BUG gateway/urls.py (669a2b3): the catch-all `re_path(r"^(?s:.*)$", name="unknown")` makes Django's URL
-# reversing raise "ValueError: Non-reversible reg-exp portion: '(?s'" for EVERY name in the project, so
-# every reverse()/{% url %}/redirect("name") fails. While that holds, these tests are expected to fail;
-# once fixed the condition is False and they run normally (strict: no silent pass).
-REVERSE_BROKEN = pytest.mark.xfail(_reverse_is_broken(), strict=True, reason="BUG gateway/urls.py: the (?s:.*) catch-all "
-                                   "breaks reverse() for every URL name (ValueError: Non-reversible reg-exp portion)")
-
 
 TABLES = ["tenants.Tenant", "tenants.Membership", "tenants.ApiKey", "auth.User", "adapters.BaseModel",
           "adapters.Adapter", "adapters.AdapterVersion", "adapters.VersionPointerChange", "gateway.AuditRecord"]
@@ -159,14 +140,12 @@ def _route_names(patterns=None, prefix=""):
     return out
 
 
-@REVERSE_BROKEN
 def test_every_write_endpoint_is_covered(realm, peft_folder):
     writes = set(_writes(realm, peft_folder)) | API_WRITES
     unknown = [n for n in _route_names() if not n.startswith("admin:") and n not in writes | READ_ONLY]
     assert not unknown, f"routes neither read-only nor covered as writes: {unknown}"
 
 
-@REVERSE_BROKEN
 @pytest.mark.parametrize("route", ["tenants:keys", "tenants:revoke_key", "tenants:members", "tenants:remove_member",
                                    "tenants:switch", "tenants:logout", "adapters:create", "adapters:upload",
                                    "adapters:activate", "adapters:delete"])
@@ -181,7 +160,6 @@ def test_extra_fields_change_nothing(realm, peft_folder, route):
     assert hostile == plain, f"extra fields changed what {route} wrote"
 
 
-@REVERSE_BROKEN
 def test_a_key_cannot_be_bound_to_another_tenants_adapter(realm):
     from tenants.models import ApiKey
 
