@@ -53,7 +53,9 @@ class Command(BaseCommand):
         self.stdout.flush()
 
         from config.celery_app import app
+        from inference_worker import broker_hardening
 
+        broker_hardening.apply()  # a worker must survive a broker restart under traffic
         app.worker_main([
             "worker", "--queues", base.queue_name, "--pool", "threads", "--concurrency", str(opts["concurrency"]),
             "--hostname", runtime.worker_id, "--loglevel", opts["loglevel"],
