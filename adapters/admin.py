@@ -7,6 +7,19 @@ from .models import Adapter, AdapterVersion, BaseModel, VersionPointerChange
 from .services import AdapterStateError, activate_version
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """For records that never change after creation: every field read-only, no add, no delete."""
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in self.model._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
 @admin.register(BaseModel)
 class BaseModelAdmin(admin.ModelAdmin):
     list_display = ["slug", "display_name", "architecture", "max_lora_rank", "queue_name", "short_sha256", "created_at"]
@@ -111,21 +124,12 @@ class AdapterAdmin(admin.ModelAdmin):
 
 
 @admin.register(AdapterVersion)
-class AdapterVersionAdmin(admin.ModelAdmin):
+class AdapterVersionAdmin(ReadOnlyAdmin):
     """Versions are immutable: everything is read-only, nothing is deleted."""
 
     list_display = ["adapter", "number", "short_sha256", "rank", "alpha", "use_rslora", "size_bytes", "created_at"]
     list_filter = ["adapter__tenant", "adapter__base", "use_rslora"]
     search_fields = ["sha256", "adapter__name", "adapter__tenant__slug"]
-
-    def get_readonly_fields(self, request, obj=None):
-        return [f.name for f in self.model._meta.fields]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
     @admin.display(description="sha256")
     def short_sha256(self, obj):
@@ -133,17 +137,8 @@ class AdapterVersionAdmin(admin.ModelAdmin):
 
 
 @admin.register(VersionPointerChange)
-class VersionPointerChangeAdmin(admin.ModelAdmin):
+class VersionPointerChangeAdmin(ReadOnlyAdmin):
     list_display = ["adapter", "from_version", "to_version", "actor", "reason", "at"]
     list_filter = ["adapter__tenant"]
     search_fields = ["adapter__name", "reason"]
     date_hierarchy = "at"
-
-    def get_readonly_fields(self, request, obj=None):
-        return [f.name for f in self.model._meta.fields]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False

@@ -127,14 +127,12 @@ class AdapterVersion(models.Model):
 
     def save(self, *args, **kwargs):
         if self.pk is not None and not self._state.adding:
-            stored = type(self).objects.filter(pk=self.pk).values(*[
-                f + "_id" if f in ("adapter", "created_by") else f for f in self.IMMUTABLE_FIELDS
-            ]).first()
+            attnames = [self._meta.get_field(name).attname for name in self.IMMUTABLE_FIELDS]
+            stored = type(self).objects.filter(pk=self.pk).values(*attnames).first()
             if stored is not None:
-                for field in self.IMMUTABLE_FIELDS:
-                    attname = field + "_id" if field in ("adapter", "created_by") else field
+                for name, attname in zip(self.IMMUTABLE_FIELDS, attnames):
                     if stored[attname] != getattr(self, attname):
-                        raise ImmutableFieldError(f"Adapter versions are immutable; cannot change {field}.")
+                        raise ImmutableFieldError(f"Adapter versions are immutable; cannot change {name}.")
         super().save(*args, **kwargs)
 
 

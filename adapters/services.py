@@ -83,7 +83,5 @@ def soft_delete_adapter(adapter: Adapter, *, actor=None) -> Adapter:
     if locked.deleted_at is None:
         locked.deleted_at = timezone.now()
         locked.save(update_fields=["deleted_at"])
-        # Keys bound to a deleted adapter stop working: their requests answer 410 anyway,
-        # but revoking them makes the dashboard say so.
     adapter.deleted_at = locked.deleted_at
     return adapter

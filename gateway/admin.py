@@ -4,6 +4,8 @@ from django.contrib import admin
 from django.http import StreamingHttpResponse
 from django.urls import path
 
+from adapters.admin import ReadOnlyAdmin
+
 from .models import AuditRecord
 
 CSV_FIELDS = [
@@ -20,7 +22,7 @@ class _Echo:
 
 
 @admin.register(AuditRecord)
-class AuditRecordAdmin(admin.ModelAdmin):
+class AuditRecordAdmin(ReadOnlyAdmin):
     """Read-only: the audit log answers "which weights produced this response?" and never changes."""
 
     list_display = [
@@ -33,16 +35,7 @@ class AuditRecordAdmin(admin.ModelAdmin):
     list_select_related = ["tenant"]
     show_full_result_count = False
 
-    def get_readonly_fields(self, request, obj=None):
-        return [f.name for f in self.model._meta.fields]
-
-    def has_add_permission(self, request):
-        return False
-
     def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
         return False
 
     def get_search_fields(self, request):

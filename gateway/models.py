@@ -29,6 +29,11 @@ class AuditQuerySet(TenantScopedQuerySet):
             raise AppendOnlyError("A final audit record never changes.")
         return super().update(**kwargs)
 
+    def finalise_pending(self, **fields) -> int:
+        """The one write a record gets after creation: only rows still pending are touched, so no
+        guard query is needed (a row finalised meanwhile is simply not matched)."""
+        return super(AuditQuerySet, self.filter(status=AuditStatus.PENDING)).update(**fields)
+
 
 class AuditRecord(models.Model):
     """Exactly one per inference request: which weights produced this response?
