@@ -248,23 +248,22 @@ class Engine:
 
     def _fail_inbox(self) -> None:
         """After the loop ended: answer every submission still queued with `engine_stopped`."""
-        while True:
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for msg in self._take_inbox():
             if msg[0] == "submit":
                 handle, job = msg[1], msg[2]
                 handle._finish(GenerationResult(request_id=job.request_id, status="error",
                                                 error_code=jobs.ENGINE_STOPPED,
                                                 error_message="the engine is not running"))
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> Iterator[tuple]:
         while True:
             try:
-                msg = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for msg in self._take_inbox():
             if msg[0] == "submit":
                 self._accept(msg[1], msg[2])
             else:
@@ -365,36 +364,32 @@ class Engine:
         t0 = time.perf_counter()
         # Prefill budget goes to requests in admission order, so an old long prompt is not starved.
         budget = self.prefill_chunk
-        batch: list[tuple[_Request, int]] = []  # (request, number of new tokens)
+        batch: list[tuple[_Request, SeqStep]] = []
         for req in self._running:
-            left = len(req.prompt_ids) - req.num_computed
+            start = req.num_computed
+            left = len(req.prompt_ids) - start
             if left > 0:
                 if budget <= 0:
                     continue
                 n = min(left, budget)
                 budget -= n
-                batch.append((req, n))
-            else:
-                batch.append((req, 1))
-        batch.sort(key=lambda rn: rn[0].slot)  # stable: each adapter's tokens contiguous
-        steps = []
-        for req, n in batch:
-            if req.num_computed < len(req.prompt_ids):
-                toks = req.prompt_ids[req.num_computed : req.num_computed + n]
+                toks = req.prompt_ids[start : start + n]
             else:
                 toks = [req.out_ids[-1]]
-            steps.append(SeqStep(block_table=req.blocks, start_pos=req.num_computed, token_ids=toks, slot=req.slot))
+            batch.append((req, SeqStep(block_table=req.blocks, start_pos=start, token_ids=toks, slot=req.slot)))
+        batch.sort(key=lambda rs: rs[1].slot)  # stable: each adapter's tokens contiguous
+        steps = [s for _, s in batch]
 
         tf = time.perf_counter()
         logits, failed = self._forward(steps)  # [len(steps), vocab]
         forward_s = time.perf_counter() - tf
 
         rows, reqs, samplers = [], [], []
-        for i, (req, n) in enumerate(batch):
+        for i, (req, step) in enumerate(batch):
             if i in failed:
                 self._fail(req, jobs.INTERNAL_ERROR, f"the forward pass failed for this request: {failed[i]}")
                 continue
-            req.num_computed += n
+            req.num_computed += len(step.token_ids)
             if req.num_computed >= len(req.prompt_ids):  # logits of the last token: sample
                 if req.sampler is not None:
                     samplers.append((len(rows), req.sampler))

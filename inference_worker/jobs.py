@@ -70,9 +70,7 @@ class GenerationJob:
     ignore_eos: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["adapter"] = self.adapter.to_dict() if self.adapter is not None else None
-        return d
+        return asdict(self)  # asdict recurses: the adapter becomes AdapterRef.to_dict()'s dict
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GenerationJob":

@@ -260,10 +260,10 @@ class Block:
         """q: [T, H, hd], k_new/v_new: [T, KV, hd] (the step's own, already written to the cache) -> [T, H * hd]."""
         cfg = self.cfg
         T, H, hd = q.shape
-        KV, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        g = cfg.num_heads // cfg.num_kv_heads
         scale = 1.0 / math.sqrt(hd)
         kv = self.runner.kv
-        if ctx.decode is not None and not ctx.prefills and ctx.decode.index is None:
+        if ctx.decode is not None and ctx.decode.index is None:  # index is None: the whole step is decode
             return self._attend_decode(q, ctx.decode, scale)
         out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
         if ctx.decode is not None:
@@ -412,8 +412,7 @@ class ModelRunner:
             if end > cfg.max_position_embeddings:
                 raise ValueError(f"position {end} exceeds max_position_embeddings "
                                  f"{cfg.max_position_embeddings}")
-            if blocks_needed(end, bs) > len(s.block_table):
-                raise ValueError(f"block table of {len(s.block_table)} blocks cannot hold {end} positions")
+            new_rows = self.kv.rows_for(s.block_table, s.start_pos, n)  # raises if the table is too short
             first = len(tokens)
             if n == 1:
                 decode_idx.append(first)
@@ -422,8 +421,7 @@ class ModelRunner:
                 prefill_specs.append((first, s))
             tokens.extend(s.token_ids)
             positions.extend(range(s.start_pos, end))
-            table = s.block_table
-            write_rows.extend(table[p // bs] * bs + p % bs for p in range(s.start_pos, end))
+            write_rows.extend(new_rows)
             slots.extend([s.slot] * n)
             last.append(len(tokens) - 1)
 
@@ -448,8 +446,11 @@ class ModelRunner:
                 if wdw is not None:
                     ok &= p.unsqueeze(0) > q_pos - wdw
                 # None when nothing is masked (equal lengths, no window): SDPA then skips its mask checks.
-                additive = torch.zeros(ok.shape, dtype=self.dtype, device=dev).masked_fill_(~ok, float("-inf"))
-                masks[wdw] = None if bool(ok.all()) else additive[None, :, None]  # [1, B, 1, L]
+                if bool(ok.all()):
+                    masks[wdw] = None
+                else:
+                    additive = torch.zeros(ok.shape, dtype=self.dtype, device=dev).masked_fill_(~ok, float("-inf"))
+                    masks[wdw] = additive[None, :, None]  # [1, B, 1, L]
             whole = not prefill_specs
             index = None if whole else torch.tensor(decode_idx, dtype=torch.int64, device=dev)
             decode = _Decode(index=index, rows=rows, masks=masks)
@@ -457,8 +458,7 @@ class ModelRunner:
         prefills = []
         for first, s in prefill_specs:
             n, L = len(s.token_ids), s.start_pos + len(s.token_ids)
-            rows = torch.tensor([s.block_table[p // bs] * bs + p % bs for p in range(L)],
-                                dtype=torch.int64, device=dev)
+            rows = torch.tensor(self.kv.rows_for(s.block_table, 0, L), dtype=torch.int64, device=dev)
             k_pos = torch.arange(L, device=dev).unsqueeze(0)  # [1, L]
             q_pos = torch.arange(s.start_pos, L, device=dev).unsqueeze(1)  # [n, 1]
             masks = {}
