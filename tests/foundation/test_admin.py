@@ -1,0 +1,52 @@
+"""Django admin, for platform staff: the activate-a-version action and the audit log's CSV export."""
+import csv
+import io
+
+import pytest
+from django.urls import reverse
+
+from adapters.models import VersionPointerChange
+from gateway.models import AuditRecord, AuditStatus
+
+
+@pytest.fixture
+def staff(world, admin_client):
+    return admin_client
+
+
+def test_activate_action_asks_for_a_reason_and_records_the_move(world, staff):
+    url = reverse("admin:adapters_adapter_activate", args=[world.acme_adapter.pk])
+    assert b"reason" in staff.get(url).content
+    response = staff.post(url, {"version": world.acme_v1.pk, "reason": ""})
+    assert response.status_code == 200  # the form again: no reason, no move
+    world.acme_adapter.refresh_from_db()
+    assert world.acme_adapter.active_version == world.acme_v2
+    response = staff.post(url, {"version": world.acme_v1.pk, "reason": "v2 answers badly"})
+    assert response.status_code == 302
+    world.acme_adapter.refresh_from_db()
+    assert world.acme_adapter.active_version == world.acme_v1
+    change = VersionPointerChange.objects.filter(adapter=world.acme_adapter).first()
+    assert (change.from_version, change.to_version, change.reason) == (world.acme_v2, world.acme_v1, "v2 answers badly")
+
+
+def test_activate_refuses_a_version_of_another_adapter(world, staff):
+    url = reverse("admin:adapters_adapter_activate", args=[world.acme_adapter.pk])
+    staff.post(url, {"version": world.globex_v1.pk, "reason": "mix"})
+    world.acme_adapter.refresh_from_db()
+    assert world.acme_adapter.active_version == world.acme_v2
+
+
+def test_audit_admin_is_read_only_and_exports_the_filtered_rows(world, staff):
+    ok = AuditRecord.objects.create(route="/v1/completions", tenant=world.acme, status=AuditStatus.OK,
+                                    weights_sha256="b" * 64)
+    AuditRecord.objects.create(route="/v1/completions", tenant=world.globex, status=AuditStatus.ERROR,
+                               error_code="adapter_not_found")
+    change_url = reverse("admin:gateway_auditrecord_change", args=[ok.pk])
+    assert staff.post(change_url, {"status": "error"}).status_code == 403
+    assert staff.post(reverse("admin:gateway_auditrecord_delete", args=[ok.pk]), {"post": "yes"}).status_code == 403
+    changelist = reverse("admin:gateway_auditrecord_changelist")
+    assert str(ok.request_id) in staff.get(changelist, {"q": str(ok.request_id)}).content.decode()
+    response = staff.get(reverse("admin:gateway_auditrecord_csv"), {"status__exact": "ok"})
+    rows = list(csv.DictReader(io.StringIO(b"".join(response.streaming_content).decode())))
+    assert [r["request_id"] for r in rows] == [str(ok.request_id)]
+    assert rows[0]["weights_sha256"] == "b" * 64
