@@ -151,9 +151,7 @@ def read_layout(fh: BinaryIO, file_size: int, *, max_header_bytes: int = MAX_HEA
             raise SafetensorsError(info.name, f"tensor {info.name} starts at byte {info.begin}, leaving "
                                               f"unaccounted bytes {position}–{info.begin}.")
         position = info.end
-    if position != data_size:
-        if position > data_size:  # unreachable after _tensor_info's bound check; kept as a guard
-            raise SafetensorsError("header", "tensor data runs past the end of the file.")
+    if position != data_size:  # only ever short: _tensor_info refused any end past data_size
         raise SafetensorsError(
             "header", f"the tensors cover {position} bytes but the data section has {data_size} "
                       f"(extra bytes after the last tensor)."

@@ -164,7 +164,7 @@ def bar_chart(title: str, buckets: list[Bucket], metrics: list[tuple[str, str, s
     plot_w, plot_h = width - left - 4, height - bottom - top
     values = {attr: [getattr(b, attr) for b in buckets] for attr, _, _ in metrics}
     peak = max([v for vs in values.values() for v in vs if v is not None] or [0])
-    scale_max = _nice_max(peak if unit != "s" else peak) if peak else 1.0
+    scale_max = _nice_max(peak)  # 1.0 when there is no data
     slot = plot_w / max(len(buckets), 1)
     series = []
     for attr, legend, css in metrics:

@@ -8,6 +8,7 @@ one call to a service (adapters/services.py, adapters/uploads.py).
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import datetime, time, timedelta
 
 from django.apps import apps
@@ -21,7 +22,7 @@ from django.views.decorators.csrf import csrf_exempt, csrf_protect
 
 from tenants.context import tenant_view
 
-from . import capacity, services, usage
+from . import capacity, services, uploads, usage
 from .forms import ActivateForm, AdapterCreateForm, AuditFilterForm, CapacityForm, UploadForm, UsageWindowForm
 from .models import Adapter, AdapterVersion, VersionPointerChange
 from .storage import BlobStorageError
@@ -144,12 +145,10 @@ def _upload(request: HttpRequest, pk: int) -> HttpResponse:
         return render(request, "adapters/upload.html", {"adapter": adapter, "form": form, "error": error}, status=413)
     if request.method == "POST":
         if form.is_valid():
-            from .uploads import create_adapter_version  # landed separately; imported at use
-
             try:
                 # The UploadedFiles go straight to the service: above FILE_UPLOAD_MAX_MEMORY_SIZE Django has
                 # streamed them to temporary files, and the service streams them on to storage.
-                version = create_adapter_version(
+                version = uploads.create_adapter_version(
                     adapter,
                     config_file=form.cleaned_data["config_file"],
                     weights_file=form.cleaned_data["weights_file"],
@@ -215,14 +214,16 @@ def usage_page(request: HttpRequest) -> HttpResponse:
     series = usage.usage_series(request.tenant, window=window)
     names = dict(Adapter.objects.for_tenant(request.tenant).values_list("pk", "name"))
     panels = []
-    for adapter_id, buckets in sorted(series.items(), key=lambda kv: names.get(kv[0], "") if kv[0] else ""):
+    # adapter_id None (explicit base requests) is not in `names`, so .get's default covers it.
+    for adapter_id, buckets in sorted(series.items(), key=lambda kv: names.get(kv[0], "")):
+        latencies = [x for b in buckets for x in b.latencies]
         panels.append({
-            "name": names.get(adapter_id, "base model (no adapter)") if adapter_id else "base model (no adapter)",
+            "name": names.get(adapter_id, "base model (no adapter)"),
             "adapter_id": adapter_id,
             "requests": sum(b.requests for b in buckets),
             "tokens": sum(b.tokens for b in buckets),
-            "p50": usage.percentile([x for b in buckets for x in b.latencies], 50),
-            "p95": usage.percentile([x for b in buckets for x in b.latencies], 95),
+            "p50": usage.percentile(latencies, 50),
+            "p95": usage.percentile(latencies, 95),
             "charts": usage.adapter_charts(buckets, window),
         })
     return render(request, "adapters/usage.html", {"panels": panels, "window": window})
@@ -234,9 +235,9 @@ def audit(request: HttpRequest) -> HttpResponse:
     form = AuditFilterForm(request.GET or None, tenant=request.tenant)
     if form.is_valid():
         data = form.cleaned_data
-        if data["q"]:
-            records = records.filter(request_id__icontains=data["q"].strip()) if len(data["q"].strip()) < 36 \
-                else records.filter(request_id=_uuid_or_none(data["q"]))
+        if q := data["q"]:  # already stripped by the CharField
+            records = records.filter(request_id__icontains=q) if len(q) < 36 \
+                else records.filter(request_id=_uuid_or_none(q))
         if data["adapter"]:
             records = records.filter(adapter=data["adapter"])
         if data["version"]:
@@ -255,8 +256,6 @@ def audit(request: HttpRequest) -> HttpResponse:
 
 
 def _uuid_or_none(value: str):
-    import uuid
-
     try:
         return uuid.UUID(value.strip())
     except ValueError:
@@ -320,7 +319,7 @@ def _capacity_chart(table: list) -> dict:
     ranks = list(dict.fromkeys(p.rank for p in table))
     presets = list(dict.fromkeys(p.targets_label for p in table))
     peak = max((p.max_concurrent_sequences for p in table), default=0)
-    top_value = usage._nice_max(peak) if peak else 1
+    top_value = usage._nice_max(peak)  # 1 when there is no data
     group_w = plot_w / max(len(ranks), 1)
     bar_w = (group_w - 12) / max(len(presets), 1)
     bars, labels = [], []
