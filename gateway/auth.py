@@ -32,4 +32,4 @@ def authenticate(request):
     try:
         return authenticate_api_key(raw)
     except KeyRejected as exc:
-        raise KeyRefused(exc.reason, getattr(exc, "key", None)) from None
+        raise KeyRefused(exc.reason, exc.key) from None

@@ -68,9 +68,6 @@ class RedisChannel:
         pipe.expire(key, ATTEMPTS_TTL_S)
         return int(self._call(pipe.execute)[0])
 
-    def attempts(self, request_id: str) -> int:
-        return int(self._call(self._redis.get, f"lorafleet:attempts:{request_id}") or 0)
-
     def is_cancelled(self, request_id: str) -> bool:
         return bool(self._call(self._redis.exists, f"lorafleet:cancel:{request_id}"))
 

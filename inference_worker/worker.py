@@ -5,8 +5,7 @@
 Celery's threads pool runs the tasks (inference_worker/tasks.py); every task thread hands its job to
 the single in-process engine, which batches them — never the prefork pool, whose children would each
 load their own copy of the base. Besides the engine this module holds the process's identity (worker
-id), the storage-backed adapter loader, the Prometheus exporter and the heartbeat that
-`manage.py worker_status` reads.
+id), the Prometheus exporter and the heartbeat that `manage.py worker_status` reads.
 """
 from __future__ import annotations
 
@@ -21,18 +20,6 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5
 HEARTBEAT_TTL_S = 15
-
-
-def storage_loader(storage_key: str) -> bytes:
-    """Adapter blob bytes from Django storage (filesystem or S3); the engine verifies their sha256."""
-    try:
-        from adapters.storage import read_blob
-    except ImportError:  # pragma: no cover - storage glue not present
-        from django.core.files.storage import storages
-
-        with storages["adapters"].open(storage_key, "rb") as fh:
-            return fh.read()
-    return read_blob(storage_key)
 
 
 def make_worker_id(base_slug: str) -> str:
@@ -83,6 +70,8 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
     global _runtime
     import torch
 
+    from adapters.storage import read_blob
+
     from .engine import Engine
     from .model import ModelRunner
 
@@ -92,7 +81,7 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         started = time.perf_counter()
         runner = ModelRunner(checkpoint_path, device=device, max_lora_slots=max_lora_slots, max_lora_rank=max_lora_rank)
-        engine = Engine(runner, storage_loader, max_running=concurrency)
+        engine = Engine(runner, read_blob, max_running=concurrency)  # the engine verifies each blob's sha256
         engine.start()
         _runtime = WorkerRuntime(base_slug=base_slug, base_sha256=base_sha256, queue=queue,
                                  checkpoint_path=str(checkpoint_path), engine=engine,
