@@ -16,7 +16,6 @@
 #endif
 
 #define TB 4          /* tokens per register block */
-#define ROWS 4        /* A rows per shrink unit */
 #define PREFETCH_ROWS 8  /* B rows read ahead in the expand */
 #define GATHER_PREFETCH 32  /* B rows prefetched ahead by the gather expand */
 #define GATHER_MAX_RANK 8  /* expand ranks up to this by column gathers; measured faster than rows up to 8 */
@@ -209,34 +208,26 @@ typedef struct {
     int64_t sx, sas, sar, sbs, sbn, sbr, so, sy, d_in, d_out;
 } sgmv_args;
 
-static void shrink_segment_rows(const sgmv_args *p, int64_t g, int j0, int nrows) {
-    shrink_unit(p->x + (int64_t)p->starts[g] * p->sx, p->sx, p->a + (int64_t)p->slots[g] * p->sas + j0 * p->sar,
-                p->sar, nrows, p->y + (int64_t)p->starts[g] * p->sy + j0, p->sy, p->lens[g], p->d_in);
-}
-
-static void expand_segment_cols(const sgmv_args *p, int64_t g, int64_t n0, int64_t ncols) {
-    const float *y = p->y + (int64_t)p->starts[g] * p->sy;
-    const float *b = p->b + (int64_t)p->slots[g] * p->sbs + n0 * p->sbn;  /* used when sbr == 1 */
-    float *out = p->out + (int64_t)p->starts[g] * p->so + n0;
+/* One segment: its shrink into y, then its expand into out. */
+static void run_segment(const sgmv_args *p, int64_t g) {
+    float *y = p->y + (int64_t)p->starts[g] * p->sy;  /* [len, r_max] scratch rows of this segment */
+    const float *b = p->b + (int64_t)p->slots[g] * p->sbs;
+    float *out = p->out + (int64_t)p->starts[g] * p->so;
     float scale = p->scales[p->slots[g]];
+    shrink_unit(p->x + (int64_t)p->starts[g] * p->sx, p->sx, p->a + (int64_t)p->slots[g] * p->sas, p->sar,
+                p->ranks[g], y, p->sy, p->lens[g], p->d_in);
     if (p->sbr != 1) {  /* rank-major B: rows of the rank axis are contiguous columns */
-        expand_unit_rank_major(y, p->sy, p->b + (int64_t)p->slots[g] * p->sbs + n0, p->sbr, p->ranks[g], out,
-                               p->so, p->lens[g], ncols, scale);
+        expand_unit_rank_major(y, p->sy, b, p->sbr, p->ranks[g], out, p->so, p->lens[g], p->d_out, scale);
         return;
     }
 #ifdef __AVX512F__
     if (p->ranks[g] <= GATHER_MAX_RANK)
-        expand_unit_gather(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], ncols, scale);
+        expand_unit_gather(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], p->d_out, scale);
     else
-        expand_unit_rows(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], ncols, scale);
+        expand_unit_rows(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], p->d_out, scale);
 #else
-    expand_unit(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], ncols, scale);
+    expand_unit(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], p->d_out, scale);
 #endif
-}
-
-static void run_segment(const sgmv_args *p, int64_t g) {
-    shrink_segment_rows(p, g, 0, p->ranks[g]);
-    expand_segment_cols(p, g, 0, p->d_out);
 }
 
 /* ---- helper threads -------------------------------------------------------------------------------
