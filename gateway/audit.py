@@ -105,4 +105,4 @@ def finalise(draft: AuditDraft, *, ok: bool, http_status: int, error_code: str =
         )
         if ok and draft.tenant is not None and draft.tenant.audit_store_text_hashes:
             fields["output_sha256"] = sha256_text(result.text)
-    return AuditRecord.objects.filter(request_id=draft.request_id, status=AuditStatus.PENDING).update(**fields) == 1
+    return AuditRecord.objects.filter(request_id=draft.request_id).finalise_pending(**fields) == 1

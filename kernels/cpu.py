@@ -78,12 +78,16 @@ def _call_native(lib, out, x, a_stack, b_stack, plan, slot_scales) -> None:
 
 
 def _add_lora_torch(out, x, a_stack, b_stack, segments, slot_scales) -> torch.Tensor:
-    """One shrink GEMM and one expand GEMM per segment; any dtype, any strides."""
+    """One shrink GEMM and one expand GEMM per segment; any dtype, any strides.
+
+    Both products accumulate in fp32 and the result is rounded once into `out`, as the Triton kernels
+    and the native kernel do (bf16 intermediates drifted past the reference's tolerance at rank 52).
+    """
     scales = slot_scales.tolist()
     for start, end, slot, rank in segments:
-        y = torch.mm(x[start:end], a_stack[slot, :rank].t())  # [n, r]
-        b = b_stack[slot, :, :rank].t()  # [r, d_out]
-        out[start:end].addmm_(y.to(out.dtype), b.to(out.dtype), alpha=scales[slot])
+        y = torch.mm(x[start:end].float(), a_stack[slot, :rank].t().float())  # [n, r] fp32
+        delta = torch.mm(y, b_stack[slot, :, :rank].t().float())  # [n, d_out] fp32
+        out[start:end] += (delta * scales[slot]).to(out.dtype)
     return out
 
 
