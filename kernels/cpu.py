@@ -111,6 +111,6 @@ def lora_expand_cpu(
 ) -> torch.Tensor:
     scales = slot_scales.tolist()
     for start, end, slot, rank in mapping.segments:
-        b = b_stack[slot, :, :rank].t()  # [r, d_out]
-        out[start:end].addmm_(y[start:end, :rank].to(b.dtype), b, alpha=scales[slot])
+        delta = torch.mm(y[start:end, :rank].float(), b_stack[slot, :, :rank].t().float())  # [n, d_out] fp32
+        out[start:end] += (delta * scales[slot]).to(out.dtype)
     return out
