@@ -132,7 +132,6 @@ STORAGES = {
 # Uploads stream to temporary files above this size, so the web process never holds them in memory.
 FILE_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
 DATA_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
-FILE_UPLOAD_TEMP_DIR = None
 
 # --- celery ---------------------------------------------------------------------------------
 _celery_dir = VAR_DIR / "celery"
