@@ -113,16 +113,31 @@ class LoraSlots:
             raise ValueError("the adapter has no LoRA tensors")
 
         # Invariant: outside (targets x [:rank]) a slot is all zeros, so a module of smaller rank than
-        # the slot's (PEFT rank_pattern) or one the adapter does not target contributes nothing.
-        self.clear(slot)
-        for (layer, proj, ab), t in parsed.items():
-            if ab == "A":
-                self.a[proj][layer][slot, : t.shape[0]].copy_(t)  # copy_ converts dtype and device
-            else:
-                self.b[proj][layer][slot, :, : t.shape[1]].copy_(t)
+        # the slot's (PEFT rank_pattern) or one the adapter does not target contributes nothing. Only what
+        # the new adapter will not overwrite is zeroed: zeroing first and then copying wrote the same
+        # 160 MB twice for a 7B-shaped adapter (~10 ms of a cold load).
+        old_rank, old_targets = self.ranks[slot], self.targets[slot]
+        new_targets = frozenset(proj for (_, proj, _) in parsed)
+        self.ranks[slot], self.scales[slot], self.targets[slot] = 0, 0.0, frozenset()
+        try:
+            for proj in old_targets:
+                for layer in range(self.num_layers):
+                    keep = parsed[(layer, proj, "A")].shape[0] if (layer, proj, "A") in parsed else 0
+                    if keep < old_rank:
+                        self.a[proj][layer][slot, keep:old_rank].zero_()
+                        self.b[proj][layer][slot, :, keep:old_rank].zero_()
+            for (layer, proj, ab), t in parsed.items():
+                if ab == "A":
+                    self.a[proj][layer][slot, : t.shape[0]].copy_(t)  # copy_ converts dtype and device
+                else:
+                    self.b[proj][layer][slot, :, : t.shape[1]].copy_(t)
+        except BaseException:  # leave an empty, all-zero slot behind, whatever was half-written
+            self.ranks[slot], self.targets[slot] = max(old_rank, rank), old_targets | new_targets
+            self.clear(slot)
+            raise
         self.ranks[slot] = rank
         self.scales[slot] = float(scale)
-        self.targets[slot] = frozenset(proj for (_, proj, _) in parsed)
+        self.targets[slot] = new_targets
 
     def mapping(self, token_slots: list[int]) -> "StepLora | None":
         """The step's LoRA state, or None when no token uses a loaded slot (the LoRA term is zero)."""
