@@ -6,6 +6,7 @@ CELERY_BROKER_URL (Redis) and LORAFLEET_STORAGE=s3.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -67,9 +68,37 @@ TEMPLATES = [
 ]
 
 # --- database -------------------------------------------------------------------------------
+# DATABASE_URL is the runtime role (web, worker, every other command). MIGRATION_DATABASE_URL, when set,
+# is the role that owns the tables: `manage.py migrate` alone connects as it, so the runtime role can be
+# one that does not own the tables and therefore cannot switch the audit log's append-only triggers off
+# (`manage.py grant_runtime_role` creates and grants it; README "Production").
 _database_url = env_str("DATABASE_URL", "")
+_migration_database_url = env_str("MIGRATION_DATABASE_URL", "")
+if _migration_database_url and not _database_url:
+    raise ImproperlyConfigured("MIGRATION_DATABASE_URL is set but DATABASE_URL is not: set both (the owner role for "
+                               "migrations, the runtime role for everything else) or neither.")
+
+
+def _running_migrate(argv: list[str]) -> bool:
+    """`manage.py migrate`, `django-admin migrate` or `python -m django migrate`."""
+    return len(argv) > 1 and argv[1] == "migrate" and Path(argv[0]).name in ("manage.py", "django-admin",
+                                                                             "__main__.py")
+
+
 if _database_url:
     DATABASES = {"default": database_from_url("DATABASE_URL", _database_url)}
+    if _migration_database_url:
+        _owner = database_from_url("MIGRATION_DATABASE_URL", _migration_database_url)
+        if (_owner["ENGINE"], _owner["NAME"]) != (DATABASES["default"]["ENGINE"], DATABASES["default"]["NAME"]):
+            raise ImproperlyConfigured("MIGRATION_DATABASE_URL must name the same database as DATABASE_URL (only the "
+                                       f"role differs); got {_owner['NAME']!r} and {DATABASES['default']['NAME']!r}.")
+        if _running_migrate(sys.argv):
+            DATABASES["default"] = _owner
+    if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+        # A database that is restarting or unreachable must not hang a request: connecting gives up after
+        # 5 s (the API answers 503 database_unavailable), and a pooled connection that died is dropped.
+        DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", 5)
+        DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 else:
     DATABASES = {
         "default": {
