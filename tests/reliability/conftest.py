@@ -130,11 +130,45 @@ def realm(world, tiny_checkpoint, dispatcher, adapter_storage_dir):
 # --- a real stack (PostgreSQL, Redis, a worker subprocess, gunicorn) for audit and fault tests -----
 
 
+def runtime_role_stack_env(admin_url: str, db_name: str, role: str, base_env: dict) -> tuple[dict, str]:
+    """Migrate `db_name` as the owner (admin_url's role) and grant `role` with `grant_runtime_role`; return
+    the environment the stack runs with (DATABASE_URL = the runtime role, MIGRATION_DATABASE_URL = the owner)
+    and the command's output. The caller drops the database, then the role."""
+    import subprocess
+    from urllib.parse import urlparse
+
+    from tests.e2e import conftest as e2e_helpers
+
+    owner_url = urlparse(admin_url)._replace(path=f"/{db_name}").geturl()
+    parsed = urlparse(owner_url)
+    import secrets
+
+    password = secrets.token_urlsafe(18)  # set by grant_runtime_role (unused where pg_hba trusts 127.0.0.1)
+    runtime_url = parsed._replace(netloc=f"{role}:{password}@{parsed.hostname}:{parsed.port or 5432}").geturl()
+    env = {**base_env, "DATABASE_URL": runtime_url, "MIGRATION_DATABASE_URL": owner_url}
+    run = dict(cwd=e2e_helpers.REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([e2e_helpers.PYTHON, "manage.py", "migrate", "--noinput"], **run)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    out = subprocess.run([e2e_helpers.PYTHON, "manage.py", "grant_runtime_role"], **run)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return env, out.stdout
+
+
+def drop_role(admin_url: str, role: str) -> None:
+    from tests.e2e import conftest as e2e_helpers
+
+    with e2e_helpers.pg_connect(admin_url) as admin:
+        admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
 @pytest.fixture(scope="session")
 def rel_stack(tmp_path_factory):
-    """A light copy of tests/e2e's stack (one tenant, two adapters) in its own database, built with
-    tests/e2e's helpers so the two cannot drift; its queues carry a per-session suffix, so the shared
-    Redis is never flushed. With CI=true a missing PostgreSQL or Redis fails instead of skipping."""
+    """A light copy of tests/e2e's stack (one tenant, two adapters, or 20 for the worker faults) in its own
+    database, built with tests/e2e's helpers so the two cannot drift; its queues carry a per-session
+    suffix, so the shared Redis is never flushed. Migrations run as the owner (the admin URL's role); the
+    web, the worker and every seeding step run as a runtime role created by `manage.py grant_runtime_role`
+    — the production shape, in which the audit triggers bind the application. With CI=true a missing
+    PostgreSQL or Redis fails instead of skipping."""
     import json
     import secrets
     import subprocess
@@ -146,18 +180,19 @@ def rel_stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("rel_stack")
     suffix = "r" + secrets.token_hex(3)
     db_name = f"lorafleet_rel_{suffix}"
+    role = f"lorafleet_rel_app_{suffix}"
     with e2e_helpers.pg_connect(e2e_helpers.ADMIN_DB_URL) as admin:
         admin.execute(f'CREATE DATABASE "{db_name}"')
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "PYTHONPATH": str(e2e_helpers.REPO),
-           "DATABASE_URL": e2e_helpers._db_url(db_name), "CELERY_BROKER_URL": e2e_helpers.REDIS_URL,
-           "LORAFLEET_VAR_DIR": str(root / "var"), "LORAFLEET_STORAGE_DIR": str(root / "storage"),
-           "LORAFLEET_LOG_LEVEL": "WARNING", "TRITON_INTERPRET": "1"}
-    env.pop("CELERY_RESULT_BACKEND", None)
-    stack = e2e_helpers.Stack(root, env)
+    base_env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "PYTHONPATH": str(e2e_helpers.REPO),
+                "CELERY_BROKER_URL": e2e_helpers.REDIS_URL, "LORAFLEET_VAR_DIR": str(root / "var"),
+                "LORAFLEET_STORAGE_DIR": str(root / "storage"), "LORAFLEET_LOG_LEVEL": "WARNING",
+                "TRITON_INTERPRET": "1"}
+    base_env.pop("CELERY_RESULT_BACKEND", None)
+    stack = None
     try:
+        env, granted = runtime_role_stack_env(e2e_helpers.ADMIN_DB_URL, db_name, role, base_env)
+        stack = e2e_helpers.Stack(root, env)
         run = dict(cwd=e2e_helpers.REPO, env=env, capture_output=True, text=True, timeout=300)
-        out = subprocess.run([e2e_helpers.PYTHON, "manage.py", "migrate", "--noinput"], **run)
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
         from inference_worker.tiny_base import build_tiny_base
 
         checkpoint = build_tiny_base(root / "tiny", arch="llama", seed=11)
@@ -173,8 +208,11 @@ def rel_stack(tmp_path_factory):
         stack.start_web()
         worker = stack.start_worker(seed["bases"]["main"]["slug"])
         yield SimpleNamespace(stack=stack, seed=seed, url=stack.web_url, worker=worker, root=root, env=env,
-                              storage=root / "storage", db_url=env["DATABASE_URL"], db_name=db_name, suffix=suffix)
+                              storage=root / "storage", db_url=env["DATABASE_URL"], owner_url=env["MIGRATION_DATABASE_URL"],
+                              role=role, granted=granted, db_name=db_name, suffix=suffix, checkpoint=checkpoint)
     finally:
-        stack.close()
+        if stack is not None:
+            stack.close()
         with e2e_helpers.pg_connect(e2e_helpers.ADMIN_DB_URL) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+        drop_role(e2e_helpers.ADMIN_DB_URL, role)

@@ -1,8 +1,10 @@
 """Audit integrity on the real stack (PostgreSQL, Redis, a worker subprocess, gunicorn).
 
-1. The rows cannot be changed: the application's own database role (the one in DATABASE_URL) and a
-   non-superuser role given every table privilege are both refused UPDATE of a final row, DELETE and
-   TRUNCATE by the triggers, and the non-superuser cannot switch the triggers off.
+1. The rows cannot be changed by the application: the web and the worker run as a runtime role that
+   does not own the tables (created by `manage.py grant_runtime_role`; migrations ran as the owner).
+   It is refused UPDATE of a final row (trigger), DELETE and TRUNCATE (no privilege), and cannot switch
+   the triggers off, drop them, replace their function or make tables. The owner itself is still refused
+   by the triggers, and so is a non-superuser given every table privilege by a careless grant.
 2. For sampled answers, the sha256 in the audit row equals the sha256 of the blob bytes in storage,
    and equals what the response said it served.
 """
@@ -39,8 +41,17 @@ def answered(rel_stack):
 
 @pytest.fixture
 def app_conn(rel_stack):
-    """A connection as the application's own role (DATABASE_URL), in a transaction rolled back after."""
+    """A connection as the application's runtime role (DATABASE_URL), in a transaction rolled back after."""
     conn = psycopg.connect(rel_stack.db_url, row_factory=dict_row)
+    yield conn
+    conn.rollback()
+    conn.close()
+
+
+@pytest.fixture
+def owner_conn(rel_stack):
+    """A connection as the owner of the tables (MIGRATION_DATABASE_URL), rolled back after."""
+    conn = psycopg.connect(rel_stack.owner_url, row_factory=dict_row)
     yield conn
     conn.rollback()
     conn.close()
@@ -60,56 +71,119 @@ def _refused(conn, sql: str, params=()) -> str:
     return str(caught.value)
 
 
+def test_the_application_runs_as_a_role_that_does_not_own_the_tables(rel_stack, answered, app_conn):
+    me = app_conn.execute("SELECT current_user AS u, rolsuper, rolcreaterole, rolcreatedb FROM pg_roles "
+                          "WHERE rolname = current_user").fetchone()
+    assert me["u"] == rel_stack.role and not (me["rolsuper"] or me["rolcreaterole"] or me["rolcreatedb"])
+    owners = {r["tableowner"] for r in app_conn.execute(
+        "SELECT DISTINCT tableowner FROM pg_tables WHERE schemaname = 'public'").fetchall()}
+    assert owners and rel_stack.role not in owners  # migrate ran as the owner, not as DATABASE_URL's role
+    # and the stack works as this role: the sampled answers were served, audited and finalised by it
+    assert all(r.status_code == 200 for _, r in answered)
+    assert "checked: " in rel_stack.granted and "no DELETE, no TRUNCATE" in rel_stack.granted
+
+
 def test_the_application_role_cannot_change_audit_rows(rel_stack, answered, app_conn):
     row = _final_row(app_conn)
     count = app_conn.execute("SELECT count(*) AS n FROM gateway_auditrecord").fetchone()["n"]
     assert "final and never changes" in _refused(
         app_conn, "UPDATE gateway_auditrecord SET weights_sha256 = %s WHERE id = %s", ("0" * 64, row["id"]))
-    assert "DELETE is not allowed" in _refused(app_conn, "DELETE FROM gateway_auditrecord WHERE id = %s", (row["id"],))
-    assert "TRUNCATE is not allowed" in _refused(app_conn, "TRUNCATE gateway_auditrecord CASCADE")
-    # the test-database escape hatch does nothing outside a database named test_*
+    assert "permission denied" in _refused(app_conn, "DELETE FROM gateway_auditrecord WHERE id = %s", (row["id"],))
+    assert "permission denied" in _refused(app_conn, "TRUNCATE gateway_auditrecord CASCADE")
+    # the test-database escape hatch changes nothing for it
     app_conn.execute("SET lorafleet.allow_test_flush = 'on'")
-    assert "TRUNCATE is not allowed" in _refused(app_conn, "TRUNCATE gateway_auditrecord CASCADE")
+    assert "permission denied" in _refused(app_conn, "TRUNCATE gateway_auditrecord CASCADE")
     assert app_conn.execute("SELECT count(*) AS n FROM gateway_auditrecord").fetchone()["n"] == count
 
 
+def test_the_application_role_cannot_switch_the_triggers_off(rel_stack, answered, app_conn):
+    """The gap the old strict xfail recorded: the app connected as the owner, who may disable triggers."""
+    assert "must be owner" in _refused(app_conn, "ALTER TABLE gateway_auditrecord DISABLE TRIGGER audit_append_only")
+    assert "must be owner" in _refused(app_conn, "ALTER TABLE gateway_auditrecord DISABLE TRIGGER ALL")
+    assert "must be owner" in _refused(app_conn, "DROP TRIGGER audit_no_truncate ON gateway_auditrecord")
+    assert "permission denied" in _refused(app_conn, "SET session_replication_role = replica")
+    assert "permission denied for schema public" in _refused(  # (not even the chance to be "must be owner")
+        app_conn, "CREATE OR REPLACE FUNCTION lorafleet_audit_append_only() RETURNS trigger AS "
+                  "$$ BEGIN RETURN NEW; END; $$ LANGUAGE plpgsql")
+    assert "permission denied" in _refused(app_conn, "CREATE TABLE audit_copy (id int)")
+    assert "must be owner" in _refused(app_conn, "ALTER TABLE gateway_auditrecord OWNER TO CURRENT_USER")
+    # still on: a final row stays final after all those attempts
+    row = _final_row(app_conn)
+    assert "final and never changes" in _refused(
+        app_conn, "UPDATE gateway_auditrecord SET status = 'pending' WHERE id = %s", (row["id"],))
+
+
+def test_the_owner_is_refused_by_the_triggers_too(rel_stack, answered, owner_conn):
+    row = _final_row(owner_conn)
+    assert "final and never changes" in _refused(
+        owner_conn, "UPDATE gateway_auditrecord SET weights_sha256 = %s WHERE id = %s", ("0" * 64, row["id"]))
+    assert "DELETE is not allowed" in _refused(owner_conn, "DELETE FROM gateway_auditrecord WHERE id = %s", (row["id"],))
+    assert "TRUNCATE is not allowed" in _refused(owner_conn, "TRUNCATE gateway_auditrecord CASCADE")
+
+
+def _privileges(conn, role: str) -> set[tuple[str, str]]:
+    return {(r["table_name"], r["privilege_type"]) for r in conn.execute(
+        "SELECT table_name, privilege_type FROM information_schema.role_table_grants WHERE grantee = %s",
+        (role,)).fetchall()}
+
+
+def test_grant_runtime_role_is_idempotent_and_takes_back_a_careless_grant(rel_stack, answered, owner_conn):
+    import subprocess
+
+    from tests.e2e.conftest import PYTHON, REPO
+
+    before = _privileges(owner_conn, rel_stack.role)
+    assert ("gateway_auditrecord", "INSERT") in before and ("adapters_adapter", "DELETE") in before
+    assert not {(t, p) for t, p in before if p == "TRUNCATE" or (t == "gateway_auditrecord" and p == "DELETE")}
+    with psycopg.connect(rel_stack.owner_url, autocommit=True) as admin:  # what a careless operator might do
+        admin.execute(f'GRANT ALL ON gateway_auditrecord, adapters_adapter TO "{rel_stack.role}"')
+    out = subprocess.run([PYTHON, "manage.py", "grant_runtime_role"], cwd=REPO, env=rel_stack.env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"role {rel_stack.role}: exists" in out.stdout and "no DELETE, no TRUNCATE" in out.stdout
+    owner_conn.rollback()
+    assert _privileges(owner_conn, rel_stack.role) == before
+    assert rel_stack.db_url.split("@")[0].split(":")[-1] not in out.stdout + out.stderr  # the secret is never printed
+
+
+def test_grant_runtime_role_refuses_to_make_the_owner_the_runtime_role(rel_stack):
+    import subprocess
+
+    from tests.e2e.conftest import PYTHON, REPO
+
+    out = subprocess.run([PYTHON, "manage.py", "grant_runtime_role"], cwd=REPO, capture_output=True, text=True,
+                         env={**rel_stack.env, "DATABASE_URL": rel_stack.owner_url}, timeout=120)
+    assert out.returncode != 0 and "are the same role" in out.stderr, out.stdout + out.stderr[-2000:]
+
+
 @pytest.fixture
-def limited_role(app_conn):
+def limited_role(rel_stack, owner_conn):
     """A non-superuser role with every privilege on the audit table (what a careless grant would give);
-    the connection acts as it through SET ROLE. Dropped afterwards."""
-    name = f"lorafleet_rel_app_{secrets.token_hex(3)}"
-    with psycopg.connect(app_conn.info.dsn, autocommit=True) as admin:
+    the owner's connection acts as it through SET ROLE. Dropped afterwards."""
+    name = f"lorafleet_rel_any_{secrets.token_hex(3)}"
+    with psycopg.connect(rel_stack.owner_url, autocommit=True) as admin:
         admin.execute(f'CREATE ROLE "{name}" NOSUPERUSER NOCREATEDB NOCREATEROLE')
         admin.execute(f'GRANT USAGE ON SCHEMA public TO "{name}"')
         admin.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON gateway_auditrecord TO "{name}"')
-    app_conn.execute(f'SET ROLE "{name}"')
+    owner_conn.execute(f'SET ROLE "{name}"')
     yield name
-    app_conn.rollback()
-    with psycopg.connect(app_conn.info.dsn, autocommit=True) as admin:
+    owner_conn.rollback()
+    with psycopg.connect(rel_stack.owner_url, autocommit=True) as admin:
         admin.execute(f'DROP OWNED BY "{name}"')
         admin.execute(f'DROP ROLE "{name}"')
 
 
-def test_a_non_superuser_role_is_refused_and_cannot_switch_the_triggers_off(rel_stack, answered, app_conn, limited_role):
-    assert app_conn.execute("SELECT current_user AS u").fetchone()["u"] == limited_role
-    assert app_conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()["rolsuper"] is False
-    row = _final_row(app_conn)
+def test_a_non_superuser_role_is_refused_and_cannot_switch_the_triggers_off(rel_stack, answered, owner_conn, limited_role):
+    assert owner_conn.execute("SELECT current_user AS u").fetchone()["u"] == limited_role
+    assert owner_conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()["rolsuper"] is False
+    row = _final_row(owner_conn)
     assert "final and never changes" in _refused(
-        app_conn, "UPDATE gateway_auditrecord SET status = 'pending' WHERE id = %s", (row["id"],))
-    assert "DELETE is not allowed" in _refused(app_conn, "DELETE FROM gateway_auditrecord WHERE id = %s", (row["id"],))
-    assert "TRUNCATE is not allowed" in _refused(app_conn, "TRUNCATE gateway_auditrecord")
-    assert "permission denied" in _refused(app_conn, "SET session_replication_role = replica")
-    assert "must be owner" in _refused(app_conn, "ALTER TABLE gateway_auditrecord DISABLE TRIGGER audit_append_only")
-    assert "must be owner" in _refused(app_conn, "DROP TRIGGER audit_append_only ON gateway_auditrecord")
-
-
-@pytest.mark.xfail(strict=True, reason="GAP (deployment, not code): the app connects as the role that owns the tables "
-                   "(superuser `postgres` here, POSTGRES_USER `lorafleet` in docker-compose.yml), and an owner can "
-                   "ALTER TABLE … DISABLE TRIGGER and then delete audit rows. Append-only holds against the app's "
-                   "queries, not against its role; production needs a non-owner runtime role (see RELIABILITY.md)")
-def test_the_application_role_cannot_switch_the_triggers_off(rel_stack, answered, app_conn):
-    # If this does not raise, the trigger is off for the rest of this transaction (the fixture rolls it back).
-    _refused(app_conn, "ALTER TABLE gateway_auditrecord DISABLE TRIGGER audit_append_only")
+        owner_conn, "UPDATE gateway_auditrecord SET status = 'pending' WHERE id = %s", (row["id"],))
+    assert "DELETE is not allowed" in _refused(owner_conn, "DELETE FROM gateway_auditrecord WHERE id = %s", (row["id"],))
+    assert "TRUNCATE is not allowed" in _refused(owner_conn, "TRUNCATE gateway_auditrecord")
+    assert "permission denied" in _refused(owner_conn, "SET session_replication_role = replica")
+    assert "must be owner" in _refused(owner_conn, "ALTER TABLE gateway_auditrecord DISABLE TRIGGER audit_append_only")
+    assert "must be owner" in _refused(owner_conn, "DROP TRIGGER audit_append_only ON gateway_auditrecord")
 
 
 def test_sampled_audit_sha256_equals_the_stored_blob(rel_stack, answered):
