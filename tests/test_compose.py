@@ -85,11 +85,17 @@ def test_the_bucket_exists_before_anything_stores_adapters_and_is_the_one_settin
         assert SERVICES[name]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
 
 
-def test_database_url_names_the_postgres_service_credentials():
+def test_migrate_connects_as_the_postgres_owner_and_web_and_worker_as_a_runtime_role():
+    """The owner (POSTGRES_USER) could switch the audit triggers off; only `migrate` may connect as it."""
     pg = SERVICES["postgres"]["environment"]
-    url = _resolve(COMPOSE["x-lorafleet-env"]["DATABASE_URL"])
     user, password, db = (_resolve(pg[k]) for k in ("POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB"))
-    assert url == f"postgres://{user}:{password}@postgres:5432/{db}"
+    owner_url = _resolve(SERVICES["migrate"]["environment"]["MIGRATION_DATABASE_URL"])
+    assert owner_url == f"postgres://{user}:{password}@postgres:5432/{db}"
+    runtime = re.fullmatch(r"postgres://([^:@]+):([^@]+)@postgres:5432/(\w+)",
+                           _resolve(COMPOSE["x-lorafleet-env"]["DATABASE_URL"]))
+    assert runtime and runtime.group(3) == db and runtime.group(1) != user
+    assert "MIGRATION_DATABASE_URL" not in COMPOSE["x-lorafleet-env"]  # web and worker never see the owner
+    assert "manage.py grant_runtime_role" in _commands_as_text(SERVICES["migrate"])
 
 
 def test_worker_reserves_an_nvidia_gpu_and_serves_one_base():
@@ -108,7 +114,9 @@ def test_web_serves_the_wsgi_app_with_gunicorn():
 def test_web_worker_and_migrate_read_the_same_settings_from_one_image():
     shared = COMPOSE["x-lorafleet-env"]
     for name in DJANGO_SERVICES:
-        assert SERVICES[name]["environment"] == shared, name
+        extra = {"MIGRATION_DATABASE_URL"} if name == "migrate" else set()  # the owner's URL: migrate alone
+        env = SERVICES[name]["environment"]
+        assert {k: v for k, v in env.items() if k not in extra} == shared and extra <= set(env), name
         assert SERVICES[name]["image"] == SERVICES["web"]["image"] and SERVICES[name]["build"] == "."
     for variable in (
         "DJANGO_SECRET_KEY", "DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "LORAFLEET_STORAGE",
