@@ -46,6 +46,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "gateway.middleware.ApiErrorsMiddleware",  # /v1/: JSON errors, 503 database_unavailable
 ]
 
 ROOT_URLCONF = "config.urls"

@@ -83,6 +83,11 @@ def queue_unavailable(detail: str = "") -> ApiError:
                     headers={"Retry-After": "2"})
 
 
+def database_unavailable() -> ApiError:
+    return ApiError(503, "database_unavailable", "The service database is unavailable; retry shortly.",
+                    type="server_error", headers={"Retry-After": "2"})
+
+
 def timed_out(seconds: float) -> ApiError:
     return ApiError(504, "timeout", f"No answer from a worker within {seconds:g} s.", type="server_error")
 

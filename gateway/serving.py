@@ -21,7 +21,7 @@ from inference_worker.jobs import AdapterRef, GenerationJob, GenerationResult
 from . import audit, metrics
 from .auth import KeyRefused, authenticate
 from .binding import Target, resolve_target
-from .errors import ApiError, from_worker, queue_unavailable, timed_out
+from .errors import ApiError, database_unavailable, from_worker, queue_unavailable, timed_out
 from .limits import TenantSlot
 from .params import GenerationParams, parse_chat, parse_completion, parse_json_body
 from .prompts import chat_prompt, count_and_check
@@ -61,12 +61,13 @@ def serve(request, *, route: str, chat: bool) -> HttpResponse:
             if draft.tenant is not None and draft.record_id is None:
                 audit.record_refusal(draft, http_status=err.status, error_code=err.code, error_message=err.message)
             return _error(draft, err)
-    except DatabaseError:
+    except DatabaseError as exc:
         # PostgreSQL restarting or unreachable: a clean, retryable answer (the audit row cannot be written
-        # either; a pending one is closed later by close_abandoned_audit).
-        log.exception("database unavailable while serving %s", draft.request_id)
-        return _error(draft, ApiError(503, "database_unavailable", "The service database is unavailable; retry shortly.",
-                                      type="server_error", headers={"Retry-After": "2"}))
+        # either; a pending one is closed later by close_abandoned_audit). One line, no traceback: an outage
+        # under traffic would otherwise write one per request.
+        log.warning("database unavailable while serving %s: %s: %s", draft.request_id, type(exc).__name__,
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        return _error(draft, database_unavailable())
     except Exception:
         log.exception("internal error while serving %s", draft.request_id)
         err = ApiError(500, "internal_error", "The server failed while answering this request.", type="server_error")
