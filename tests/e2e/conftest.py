@@ -156,10 +156,11 @@ class Stack:
         self.web_url, self.web = url, proc
         return url
 
-    def start_worker(self, base_slug: str, name: str = "worker", env: dict | None = None) -> SimpleNamespace:
+    def start_worker(self, base_slug: str, name: str = "worker", env: dict | None = None,
+                     args: tuple[str, ...] = ()) -> SimpleNamespace:
         port = free_port()
         proc = Proc(name, [PYTHON, "manage.py", "run_worker", "--base", base_slug, "--concurrency", "64",
-                           "--metrics-port", str(port), "--loglevel", "WARNING"], {**self.env, **(env or {})},
+                           "--metrics-port", str(port), "--loglevel", "WARNING", *args], {**self.env, **(env or {})},
                     self.root)
         self.procs.append(proc)
         metrics_url = f"http://127.0.0.1:{port}/metrics"

@@ -2,9 +2,9 @@
 one on 6379), a gunicorn web and a worker over rel_stack's database and blobs. Traffic is real HTTP
 on 127.0.0.1; every test bounds its duration and stops what it started.
 
-- Worker faults: the worker is killed with SIGKILL while clients keep sending; a new one is started
-  each time. Every accepted request ends answered (200) or with an explicit error code, none is lost
-  or left pending in the audit log, and none is answered twice.
+- Worker faults: the worker is killed with SIGKILL while clients keep sending over 20 adapters; a new
+  one is started each time. Every accepted request ends answered (200) or with an explicit error code,
+  none is lost or left pending in the audit log, and none is answered twice; every adapter is served.
 - Broker faults: redis-server is killed under traffic. While it is down every request is a 503 within
   2 s and on the record; after it returns, requests are answered again within 30 s, no manual step.
 """
@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import httpx
 import psycopg
 import pytest
+import redis
 from psycopg.rows import dict_row
 
 from tests.e2e.conftest import Proc, Stack, _reachable, free_port, wait_until
@@ -29,6 +30,8 @@ KILLS = 5 if FULL else 1
 CLIENTS = 16 if FULL else 8
 KILL_EVERY_S = 20 if FULL else 4
 OUTAGE_S = 60 if FULL else 4
+ADAPTERS = 20               # the issue's fleet: rel_stack's 2 plus 18 uploaded here
+MIN_REQUESTS = 1000 if FULL else 0  # the issue's figure, asserted in the full run
 EXPLICIT_ERRORS = {"worker_lost", "timeout", "queue_unavailable", "internal_error", "adapter_load_failed",
                    "engine_stopped", "cancelled"}
 
@@ -55,6 +58,31 @@ class PrivateRedis:
         self.proc.kill(signal.SIGKILL)
 
 
+MORE_ADAPTERS = """
+from pathlib import Path
+from adapters.models import BaseModel
+from adapters.services import create_adapter
+from adapters.uploads import create_adapter_version
+from inference_worker.peft_factory import make_random_peft_adapter
+from tenants.models import Tenant
+tenant, base = Tenant.objects.get(slug={tenant!r}), BaseModel.objects.get(slug={base!r})
+names = []
+for i in range({n}):
+    folder = make_random_peft_adapter({checkpoint!r}, Path({work!r}) / f"fleet-{{i}}", r=4 + 4 * (i % 3),
+                                      alpha=16, target_modules=("q_proj", "v_proj"), seed=100 + i)
+    adapter = create_adapter(tenant, f"fleet-{{i:02d}}", base)
+    with open(folder / "adapter_config.json", "rb") as c, open(folder / "adapter_model.safetensors", "rb") as w:
+        create_adapter_version(adapter, config_file=c, weights_file=w)
+    names.append(adapter.name)
+result = {{"names": names}}
+"""
+
+
+def start_worker(stack, base: str, name: str):
+    # one device slot per adapter (and a few spare), so 16 clients over 20 adapters never wait on a free slot
+    return stack.start_worker(base, name, args=("--max-lora-slots", str(ADAPTERS + 4)))
+
+
 @pytest.fixture(scope="module")
 def fault_stack(rel_stack, tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
@@ -64,10 +92,14 @@ def fault_stack(rel_stack, tmp_path_factory):
            "LORAFLEET_REQUEST_TIMEOUT_S": "30"}
     stack = Stack(root, env)
     try:
-        stack.start_web("web-faults")
         base = rel_stack.seed["bases"]["main"]["slug"]
+        models = sorted(rel_stack.seed["adapters"]) + stack.django(MORE_ADAPTERS.format(
+            tenant=rel_stack.seed["tenants"]["a"]["slug"], base=base, checkpoint=str(rel_stack.checkpoint),
+            work=str(root), n=ADAPTERS - len(rel_stack.seed["adapters"])))["names"]
+        assert len(set(models)) == ADAPTERS
+        stack.start_web("web-faults")
         state = SimpleNamespace(stack=stack, broker=broker, base=base, url=stack.web_url, rel=rel_stack,
-                                worker=stack.start_worker(base, "worker-faults-0"), models=sorted(rel_stack.seed["adapters"]),
+                                worker=start_worker(stack, base, "worker-faults-0"), models=models,
                                 key=rel_stack.seed["keys"]["a"])
         yield state
     finally:
@@ -138,7 +170,7 @@ def test_killing_the_worker_loses_no_request(fault_stack):
         for k in range(KILLS):
             time.sleep(KILL_EVERY_S)
             fs.worker.proc.kill(signal.SIGKILL)  # kill -9, mid-traffic
-            fs.worker = fs.stack.start_worker(fs.base, f"worker-faults-{k + 1}")
+            fs.worker = start_worker(fs.stack, fs.base, f"worker-faults-{k + 1}")
         time.sleep(KILL_EVERY_S / 2)
     outcomes = traffic.outcomes
     lost = [o for o in outcomes if o["status"] is None]
@@ -162,9 +194,19 @@ def test_killing_the_worker_loses_no_request(fault_stack):
         if o["status"] != 200:
             codes[o["code"]] = codes.get(o["code"], 0) + 1
     redelivered = sum(rows[o["request_id"]][0]["attempts"] > 1 for o in outcomes)
-    print(f"\nworker faults: {KILLS} kill -9 under {CLIENTS} clients; {len(outcomes)} requests, {ok} answered, "
-          f"errors {codes}, {redelivered} answered after redelivery, 0 lost, 0 pending, 0 answered twice; "
-          f"slowest {max(o['seconds'] for o in outcomes):.1f}s")
+    served = {o["model"] for o in outcomes if o["status"] == 200}
+    assert served == set(fs.models), f"adapters never served: {sorted(set(fs.models) - served)}"
+    assert len(outcomes) >= MIN_REQUESTS, f"only {len(outcomes)} requests in the full run"
+    # Where the jobs that timed out were: a worker that ran a job counted an attempt in Redis
+    # (lorafleet:attempts:<id>) before running it; no count means no worker ever started it.
+    broker = redis.Redis.from_url(fs.broker.url)
+    timed_out = [o["request_id"] for o in outcomes if o["code"] == "timeout"]
+    never_started = sum(broker.get(f"lorafleet:attempts:{rid}") is None for rid in timed_out)
+    wait_until(lambda: broker.hlen("unacked") == 0, 30, "no unacknowledged job left in the broker")
+    print(f"\nworker faults: {KILLS} kill -9 under {CLIENTS} clients over {len(fs.models)} adapters; "
+          f"{len(outcomes)} requests, {ok} answered, errors {codes}, {redelivered} answered after redelivery, "
+          f"0 lost, 0 pending, 0 answered twice; of {len(timed_out)} timeouts {never_started} were never started "
+          f"by any worker; slowest {max(o['seconds'] for o in outcomes):.1f}s")
 
 
 def test_a_dead_broker_is_a_fast_recorded_503_and_recovery_needs_no_one(fault_stack):
