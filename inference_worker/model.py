@@ -3,7 +3,7 @@
 One `forward(steps)` runs one engine iteration: any mix of prefill chunks and decode tokens, of any
 adapters, as one batch. Every projection is one GEMM over all tokens of the step (q/k/v and gate/up are
 fused), plus the batched LoRA term from `kernels.add_lora` with one mapping per step. Attention is
-batched too: all decode tokens of the step attend in one matmul over a padded gather of their KV rows
+batched too: all decode tokens of the step attend in one matmul over a padded gather of their KV blocks
 (`[kv_heads, B, L, head_dim]`); prefill chunks attend one sequence at a time through SDPA (a chunk is
 already a big matrix, and prefill is rarer than decode).
 
@@ -167,7 +167,7 @@ class _Prefill:
     first: int  # index of its first token in the step's flat token list
     n: int  # tokens in this chunk
     start_pos: int  # positions already in the cache before this chunk
-    rows: torch.Tensor  # int64 [start_pos + n], KV rows of positions 0..start_pos+n-1
+    rows: torch.Tensor | None  # int64 [start_pos + n], KV rows of positions 0..start_pos+n-1; None at start_pos 0
     masks: dict[int | None, torch.Tensor]  # window -> bool [1, 1, n, start_pos + n], True = may attend
 
 
@@ -176,7 +176,7 @@ class _Decode:
     """All single-token steps of a forward, attending together in one padded batch."""
 
     index: torch.Tensor | None  # int64 [B] their token indices, None when the whole step is decode
-    rows: torch.Tensor  # int64 [B, L] KV rows (padding points anywhere, masked)
+    blocks: torch.Tensor  # int64 [B, nb] KV blocks; L = nb * block_size positions (padding masked)
     # window -> additive float [1, B, 1, L] (0 / -inf), or None. 4-D because SDPA on CPU takes its fast
     # (flash) kernel only for 4-D masks and falls back to the unfused math path otherwise.
     masks: dict[int | None, torch.Tensor | None]
@@ -292,13 +292,13 @@ class Block:
         cfg = self.cfg
         B, H, hd = q.shape
         KV, g = cfg.num_kv_heads, H // cfg.num_kv_heads
-        L = d.rows.shape[1]
+        L = d.blocks.shape[1] * self.runner.block_size
         q4 = q.view(B, KV, g, hd).transpose(0, 1)  # [KV, B, g, hd]
         mask = d.masks[self.window]  # [1, B, 1, L] or None
         chunk = B if q.is_cuda else max(1, (2 << 20) // (2 * KV * L * hd * q.element_size()))
         ys = []
         for c in range(0, B, chunk):
-            k, v = self.runner.kv.gather(self.layer, d.rows[c:c + chunk])  # [KV, C, L, hd]
+            k, v = self.runner.kv.gather_blocks(self.layer, d.blocks[c:c + chunk])  # [KV, C, L, hd]
             m = None if mask is None else mask[:, c:c + chunk]
             ys.append(F.scaled_dot_product_attention(q4[:, c:c + chunk], k, v, attn_mask=m,
                                                      scale=scale))  # [KV, C, g, hd]
@@ -433,12 +433,10 @@ class ModelRunner:
         decode = None
         if decode_steps:
             lens = [s.start_pos + 1 for s in decode_steps]
-            L = max(lens)
-            nb = blocks_needed(L, bs)
+            nb = blocks_needed(max(lens), bs)
             table = torch.tensor([s.block_table[:nb] + [0] * (nb - min(nb, len(s.block_table)))
                                   for s in decode_steps], dtype=torch.int64, device=dev)  # [B, nb]
-            p = torch.arange(L, device=dev)
-            rows = table[:, p // bs] * bs + p % bs  # [B, L]
+            p = torch.arange(nb * bs, device=dev)  # whole blocks are gathered; the mask hides the tail
             q_pos = torch.tensor(lens, device=dev).unsqueeze(1) - 1  # [B, 1]
             masks = {}
             for wdw in windows:
@@ -453,12 +451,14 @@ class ModelRunner:
                     masks[wdw] = additive[None, :, None]  # [1, B, 1, L]
             whole = not prefill_specs
             index = None if whole else torch.tensor(decode_idx, dtype=torch.int64, device=dev)
-            decode = _Decode(index=index, rows=rows, masks=masks)
+            decode = _Decode(index=index, blocks=table, masks=masks)
 
         prefills = []
         for first, s in prefill_specs:
             n, L = len(s.token_ids), s.start_pos + len(s.token_ids)
-            rows = torch.tensor(self.kv.rows_for(s.block_table, 0, L), dtype=torch.int64, device=dev)
+            rows = None  # a whole-prompt chunk attends to its own keys, no gather (see Block.attend)
+            if s.start_pos:
+                rows = torch.tensor(self.kv.rows_for(s.block_table, 0, L), dtype=torch.int64, device=dev)
             k_pos = torch.arange(L, device=dev).unsqueeze(0)  # [1, L]
             q_pos = torch.arange(s.start_pos, L, device=dev).unsqueeze(1)  # [n, 1]
             masks = {}

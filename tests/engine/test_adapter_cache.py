@@ -203,3 +203,38 @@ def test_ten_concurrent_requests_for_a_cold_adapter_make_one_load():
     assert len(slots) == 1
     assert store.reads == ["k"] and cache.stats()["cold_loads"] == 1 and len(runner.loads) == 1
     assert cache.pinned() == {ref.sha256: 10}
+
+
+def test_a_mapped_blob_on_disk_loads_the_same_weights_and_a_hostile_header_is_refused(tmp_path):
+    from safetensors.torch import load
+
+    from inference_worker.adapter_cache import map_file
+
+    blob = adapter_blob(6)
+    (tmp_path / "good").write_bytes(blob)
+    cache, runner = make_cache(lambda key: map_file(tmp_path / key))
+    got = acquire_when_loaded(cache, ref_for(blob, "good"), "w")
+    assert got.state == READY
+    _, _, weights = runner.slots[got.slot]
+    expected = load(blob)
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+
+    # Offsets that overlap: safetensors' own writer never makes them; the worker's in-place parse must
+    # refuse them (two tensors viewing one byte range) before any view is made.
+    import json
+    import struct
+
+    header = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+              {"dtype": "F32", "shape": [4, HIDDEN], "data_offsets": [0, 4 * HIDDEN * 4]},
+              "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+              {"dtype": "F32", "shape": [32, 4], "data_offsets": [0, 32 * 4 * 4]}}
+    raw = json.dumps(header).encode()
+    hostile = struct.pack("<Q", len(raw)) + raw + bytes(4 * HIDDEN * 4)
+    (tmp_path / "hostile").write_bytes(hostile)
+    cache, runner = make_cache(lambda key: map_file(tmp_path / key))
+    got = acquire_when_loaded(cache, ref_for(hostile, "hostile"), "w")
+    assert got.state == FAILED and got.error_code == "adapter_load_failed" and "overlaps" in got.error_message
+    assert runner.loads == []
+    (tmp_path / "empty").write_bytes(b"")
+    got = acquire_when_loaded(cache, ref_for(b"", "empty"), "w2")
+    assert got.state == FAILED and got.error_code == "adapter_load_failed"

@@ -89,3 +89,17 @@ def test_a_step_beyond_its_block_table_or_the_context_is_refused(tiny_llama):
         runner.forward([SeqStep(blocks, runner.config.max_position_embeddings, [1], -1)])
     with pytest.raises(OutOfBlocks):
         runner.kv.allocator.allocate(7)
+
+
+def test_whole_block_gather_equals_the_row_gather_of_the_same_positions():
+    from inference_worker.kv_cache import PagedKVCache
+
+    kv = PagedKVCache(num_layers=1, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=3,
+                      dtype=torch.float32, device="cpu")
+    kv.kv[0].copy_(torch.randn_like(kv.kv[0]))
+    tables = torch.tensor([[7, 2, 9], [0, 11, 4]])
+    k_b, v_b = kv.gather_blocks(0, tables)  # [2, 2, 12, 3]
+    rows = torch.tensor([[int(t) * 4 + o for t in table for o in range(4)] for table in tables])
+    k_r, v_r = kv.gather(0, rows)
+    assert k_b.shape == (2, 2, 12, 3)
+    assert torch.equal(k_b, k_r) and torch.equal(v_b, v_r)

@@ -296,6 +296,18 @@ def test_reloading_a_slot_leaves_nothing_of_the_previous_adapter(tiny_mistral, t
     load_peft_into(reused, 1, small)
     torch.testing.assert_close(run(reused), run(fresh), atol=1e-5, rtol=0)
 
+    # The slot pools themselves are bit-identical to a never-used slot's: a load zeroes only what the
+    # new adapter does not overwrite (a smaller rank, a projection it does not target), and nothing else.
+    def same_slot(a: ModelRunner, b: ModelRunner, slot: int) -> bool:
+        return all(torch.equal(x[slot], y[slot]) for pool in ("a", "b") for proj in getattr(a.lora, pool)
+                   for x, y in zip(getattr(a.lora, pool)[proj], getattr(b.lora, pool)[proj]))
+
+    assert same_slot(reused, fresh, 1)
+    load_peft_into(fresh, 1, other)
+    load_peft_into(reused, 1, big)
+    load_peft_into(reused, 1, other)  # same targets, rank 32 -> 8: only ranks 8..31 are zeroed
+    assert same_slot(reused, fresh, 1)
+
 
 def test_llama_with_attention_bias_matches_transformers(tiny_llama, tmp_path):
     from safetensors.torch import save_file
