@@ -239,10 +239,13 @@ class Block:
         kv = self.runner.kv
         kv.write(layer, ctx.write_rows, k, v)
         y = self.attend(q, k, v, ctx)  # [T, q_dim]
-        o = F.linear(y, self.w_o, self.b_o)  # [T, hidden]
+        # Residual adds fused into the GEMMs: x += y @ W_o^T in place (BLAS beta = 1), no [T, hidden]
+        # temporary and no separate add pass. x is this forward's own activation (never a weight).
+        x.addmm_(y, self.w_o.t())
+        if self.b_o is not None:
+            x.add_(self.b_o)
         if lora is not None:
-            lora.add(o, y, layer, "o_proj")
-        x = x + o
+            lora.add(x, y, layer, "o_proj")
         # --- MLP ---
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gu = F.linear(h, self.w_gate_up)  # [T, 2 * intermediate]
@@ -250,11 +253,11 @@ class Block:
         if lora is not None:
             lora.add(gu[:, :inter], h, layer, "gate_proj")
             lora.add(gu[:, inter:], h, layer, "up_proj")
-        a = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, intermediate]
-        d = F.linear(a, self.w_down)  # [T, hidden]
+        a = F.silu(gu[:, :inter]).mul_(gu[:, inter:])  # [T, intermediate]
+        x.addmm_(a, self.w_down.t())  # x += a @ W_down^T
         if lora is not None:
-            lora.add(d, a, layer, "down_proj")
-        return x + d
+            lora.add(x, a, layer, "down_proj")
+        return x
 
     def attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """q: [T, H, hd], k_new/v_new: [T, KV, hd] (the step's own, already written to the cache) -> [T, H * hd]."""
