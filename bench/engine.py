@@ -246,7 +246,15 @@ def bench_model(name: str, workdir: Path, peft_requests: int) -> dict:
     # The CPUs are shared: the GEMM roofline is measured right before each system, not once for all.
     # Base-only on the LoRA-enabled and LoRA-disabled engines alternate (best of 2 each): that ratio
     # is a few percent, smaller than the drift between two runs minutes apart.
-    roofline = gemm_roofline(cfg)[0] / flops_tok
+    rate_512 = gemm_roofline(cfg, rows=512, reps=2)[0]
+    rate_64 = gemm_roofline(cfg)[0]
+    need = 0.70 * all_tokens * rate_64  # FLOP/s the engine would need for 0.70 of the per-token roofline
+    print(f"fp32 GEMM on the model's shapes: {rate_64 / 1e9:.1f} GFLOP/s at 64 rows (the roofline's), "
+          f"{rate_512 / 1e9:.1f} GFLOP/s at 512 rows (prefill-sized); 0.70 of the per-token roofline with "
+          f"the prompt's FLOPs would need {need / 1e9:.1f} GFLOP/s = {need / max(rate_64, rate_512):.2f}x the "
+          f"faster of the two", flush=True)
+    r["gemm_gflops_64"], r["gemm_gflops_512"] = rate_64 / 1e9, rate_512 / 1e9
+    roofline = rate_64 / flops_tok
     pair = [EngineRun(base, prompts, None, refs, blobs, enable_lora=True, slots=distinct),
             EngineRun(base, prompts, None, refs, blobs, enable_lora=False, slots=1)]
     res_base, res_nolora = run_engines_interleaved(pair, max(2, n))
