@@ -14,9 +14,12 @@ prefill included, measured in this process on this machine:
 - HF generate base-only    transformers' generate, the 64 prompts as one batch, greedy
 - PEFT mixed               PEFT's generate(adapter_names=[...]) over the same 64 requests as one batch
 - roofline                 the model's linear-layer FLOPs per token against fp32 GEMM FLOP/s measured
-                           on the model's own weight shapes with 64 rows (the decode batch), right before
-                           each system runs (the CPUs are shared, so it drifts); "of roofline" is generated
-                           tok/s over it, "compute use" counts the prompt's FLOPs as well
+                           on the model's own weight shapes with 64 rows (the decode batch), measured
+                           right before each system runs; the ratios use the fastest of those measurements
+                           (the CPUs are shared and load only slows a GEMM). "of roofline" is generated
+                           tok/s over it; "compute use" counts the prompt's FLOPs as well. With 64-token
+                           prompts and 64 new tokens, "of roofline" has a ceiling of 0.50 unless prefill
+                           GEMMs (512 rows) beat the 64-row rate, which is why the script prints both.
 
 Adapters: one adapter is made with PEFT (inference_worker.peft_factory) for its adapter_config.json and
 tensor names; the other 99 reuse that config with fresh random tensors of the same names and shapes
@@ -55,7 +58,7 @@ MODELS = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
     "mid": dict(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816),
 }
-REPEATS = {"tiny": 5, "mid": 1}  # timed runs per system, best kept (a tiny run lasts about a second)
+REPEATS = {"tiny": 5, "mid": 2}  # timed runs per system, best kept, the same count for every system
 N_REQUESTS, PROMPT_LEN, NEW_TOKENS, N_ADAPTERS, RANK, ZIPF_S = 64, 64, 64, 100, 16, 1.1
 
 
@@ -257,7 +260,7 @@ def bench_model(name: str, workdir: Path, peft_requests: int) -> dict:
     roofline = rate_64 / flops_tok
     pair = [EngineRun(base, prompts, None, refs, blobs, enable_lora=True, slots=distinct),
             EngineRun(base, prompts, None, refs, blobs, enable_lora=False, slots=1)]
-    res_base, res_nolora = run_engines_interleaved(pair, max(2, n))
+    res_base, res_nolora = run_engines_interleaved(pair, n)
     show("base", "lorafleet base-only", res_base, roofline)
     show("nolora", "lorafleet LoRA-disabled", res_nolora, roofline)
     runs = [
@@ -265,12 +268,22 @@ def bench_model(name: str, workdir: Path, peft_requests: int) -> dict:
          lambda: run_engine(base, prompts, adapter_of, refs, blobs, enable_lora=True, slots=distinct, repeats=n)),
         ("hf", "HF generate base-only", lambda: run_hf(base, prompts, repeats=n)),
         ("peft", f"PEFT mixed ({peft_requests} req)",
-         lambda: run_hf(base, prompts, adapter_of, dirs, requests=peft_requests, repeats=max(1, n // 2))),
+         lambda: run_hf(base, prompts, adapter_of, dirs, requests=peft_requests, repeats=n)),
     ]
     for key, label, fn in runs:
         roofline = gemm_roofline(cfg)[0] / flops_tok
         show(key, label, fn(), roofline)
 
+    # Other work on these CPUs only ever slows a GEMM down, so the fastest of the run's roofline measurements
+    # is the machine's; every system is judged against that one (stricter than the one measured before it).
+    best = max(r[k]["roofline_tok_s"] for k in ("base", "nolora", "mixed", "hf", "peft"))
+    print(f"roofline: {best:.1f} tok/s, the fastest of the run's 5 measurements "
+          f"({best * flops_tok / 1e9:.1f} GFLOP/s); against it:", flush=True)
+    for key in ("base", "nolora", "mixed", "hf", "peft"):
+        res = r[key]
+        res["roofline_tok_s"], res["of_roofline"], res["compute_use"] = best, res["tok_s"] / best, \
+            res["tok_s"] * all_tokens / best
+        print(f"  {key:8s} of roofline {res['of_roofline']:.2f}, compute use {res['compute_use']:.2f}", flush=True)
     same_base = sum(a == b for a, b in zip(r["base"]["tokens"], r["hf"]["tokens"]))
     same_mixed = sum(a == b for a, b in zip(r["mixed"]["tokens"], r["peft"]["tokens"]))
     ratios = {
