@@ -95,8 +95,8 @@ def plot_engine(text: str) -> Path | None:
         xs = [r + i * width for r in range(len(rows))]
         ax.bar(xs, [number(row[system]) for row in rows], width, label=system)
     ax.set_xticks([r + 0.4 - width / 2 for r in range(len(rows))], [row[run_key] for row in rows])
-    ax.set(ylabel="generated tok/s", xlabel="run (start time, load average)",
-           title="Mid model, 64 concurrent requests, Zipf over 100 adapters (bench/engine.py; shared 2-core box)")
+    ax.set(ylabel="generated tok/s", xlabel="run (start time, 2026-11-29)",
+           title="Mid model, 64 concurrent requests, Zipf over 100 adapters (bench/engine.py; 2 CPUs)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     out = DOCS / "engine_throughput.png"
