@@ -109,7 +109,7 @@ class PagedKVCache:
         The same result as `gather` over every row of those blocks, but each copy is a block of
         block_size x head_dim contiguous values instead of one row (measured 1.7x faster on CPU for a
         64-sequence decode batch); positions past a sequence's length are the caller's to mask."""
-        two, heads, rows, hd = self.kv[layer].shape
+        two, heads, _, hd = self.kv[layer].shape
         B, nb = blocks.shape
         kv = self.kv[layer].view(two * heads, self.num_blocks, self.block_size * hd).index_select(1, blocks.reshape(-1))
         shape = (heads, B, nb * self.block_size, hd)

@@ -166,8 +166,8 @@ class _Prefill:
 
     first: int  # index of its first token in the step's flat token list
     n: int  # tokens in this chunk
-    start_pos: int  # positions already in the cache before this chunk
-    rows: torch.Tensor | None  # int64 [start_pos + n], KV rows of positions 0..start_pos+n-1; None at start_pos 0
+    rows: torch.Tensor | None  # int64 [start_pos + n], KV rows of positions 0..start_pos+n-1; None when the
+    # chunk is a whole prompt (start_pos 0): it attends to its own new keys, no gather
     masks: dict[int | None, torch.Tensor]  # window -> bool [1, 1, n, start_pos + n], True = may attend
 
 
@@ -273,7 +273,7 @@ class Block:
             idx = ctx.decode.index
             out.index_copy_(0, idx, self._attend_decode(q.index_select(0, idx), ctx.decode, scale))
         for p in ctx.prefills:
-            if p.start_pos == 0:  # a whole-prompt chunk: its keys are all in hand, no gather needed
+            if p.rows is None:  # a whole-prompt chunk: its keys are all in hand, no gather needed
                 k = k_new[p.first:p.first + p.n].transpose(0, 1)  # [KV, n, hd]
                 v = v_new[p.first:p.first + p.n].transpose(0, 1)
             else:
@@ -459,7 +459,7 @@ class ModelRunner:
         prefills = []
         for first, s in prefill_specs:
             n, L = len(s.token_ids), s.start_pos + len(s.token_ids)
-            rows = None  # a whole-prompt chunk attends to its own keys, no gather (see Block.attend)
+            rows = None  # a whole-prompt chunk attends to its own keys (Block.attend)
             if s.start_pos:
                 rows = torch.tensor(self.kv.rows_for(s.block_table, 0, L), dtype=torch.int64, device=dev)
             k_pos = torch.arange(L, device=dev).unsqueeze(0)  # [1, L]
@@ -470,7 +470,7 @@ class ModelRunner:
                 if wdw is not None:
                     ok = ok & (k_pos > q_pos - wdw)
                 masks[wdw] = ok[None, None]  # [1, 1, n, L], 4-D for SDPA's fast path
-            prefills.append(_Prefill(first=first, n=n, start_pos=s.start_pos, rows=rows, masks=masks))
+            prefills.append(_Prefill(first=first, n=n, rows=rows, masks=masks))
 
         lora = self.lora.mapping(slots) if self.lora is not None else None
         if self.lora is None and any(s >= 0 for s in slots):
