@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # OpenMP threads spin-wait by default; on a shared 2-core box a spinning torch step starves the worker
@@ -124,3 +125,14 @@ def world(db):
 def _fast_password_hashing(settings):
     """Tests create users by the dozen; production-strength hashing would cost seconds per test."""
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def adapter_storage_dir(settings, tmp_path) -> Path:
+    """The "adapters" storage, pointed at tmp_path/storage (not created: a refused upload must leave none)."""
+    folder = tmp_path / "storage"
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "adapters": {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(folder)}},
+    }
+    return folder

@@ -88,16 +88,10 @@ def peft_adapters(tiny_base_dir, tmp_path_factory) -> SimpleNamespace:
 
 
 @pytest.fixture
-def blob_dir(settings, tmp_path) -> Path:
+def blob_dir(adapter_storage_dir) -> Path:
     """The "adapters" storage, pointed at an empty folder of this test."""
-    location = tmp_path / "blobs"
-    location.mkdir()
-    settings.STORAGES = {
-        **settings.STORAGES,
-        "adapters": {"BACKEND": "django.core.files.storage.FileSystemStorage",
-                     "OPTIONS": {"location": str(location)}},
-    }
-    return location
+    adapter_storage_dir.mkdir()
+    return adapter_storage_dir
 
 
 @pytest.fixture

@@ -36,16 +36,6 @@ def dash_files(tmp_path_factory) -> SimpleNamespace:
 
 
 @pytest.fixture
-def adapter_storage_dir(settings, tmp_path) -> Path:
-    folder = tmp_path / "storage"
-    settings.STORAGES = {
-        **settings.STORAGES,
-        "adapters": {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(folder)}},
-    }
-    return folder
-
-
-@pytest.fixture
 def real_base(world, dash_files, adapter_storage_dir):
     """A registered base built from the tiny checkpoint, and acme's adapter "writer" on it (no versions)."""
     from adapters.services import create_adapter, register_base_model

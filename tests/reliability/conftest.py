@@ -78,16 +78,6 @@ def peft_folder(tiny_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def adapter_storage_dir(settings, tmp_path) -> Path:
-    folder = tmp_path / "storage"
-    settings.STORAGES = {
-        **settings.STORAGES,
-        "adapters": {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(folder)}},
-    }
-    return folder
-
-
-@pytest.fixture
 def realm(world, tiny_checkpoint, dispatcher, adapter_storage_dir):
     """`world` plus everything the matrix needs: dave (member of acme), eve (no tenant), an adapter
     only acme has (so another tenant's key cannot resolve the same name in its own tenant), and acme
