@@ -310,17 +310,23 @@ def test_every_hostile_upload_is_refused(realm, as_alice, peft_folder, rank_over
     print("\nhostile uploads:\n" + "\n".join(json.dumps(f) for f in FIGURES))
 
 
-def test_a_declared_10_gb_body_is_refused_unread(realm, as_alice, peft_folder, adapter_storage_dir, tmp_path):
-    body = EndlessBody((peft_folder / "adapter_config.json").read_bytes(), TEN_GB)
+def _post_endless(realm, client, peft_folder, storage, tmp_path, declared: int, name: str) -> EndlessBody:
+    """Post an endless multipart body declaring `declared` bytes; check it is refused (413) with nothing
+    stored; return the body, which counts what the server read."""
+    body = EndlessBody((peft_folder / "adapter_config.json").read_bytes(), declared)
     versions_before = _versions(realm)
     with Measure(traced=True) as m:
-        response = as_alice.generic("POST", reverse("adapters:upload", args=[realm.acme_only.pk]),
-                                    CONTENT_TYPE=f"multipart/form-data; boundary={BOUNDARY}",
-                                    CONTENT_LENGTH=str(TEN_GB), HTTP_ACCEPT="application/json",
-                                    **{"wsgi.input": body})
-    _check_refused(realm, adapter_storage_dir, tmp_path / "canary", "10 GB declared", response, m, versions_before,
-                   read=body.read_bytes)
+        response = client.generic("POST", reverse("adapters:upload", args=[realm.acme_only.pk]),
+                                  CONTENT_TYPE=f"multipart/form-data; boundary={BOUNDARY}",
+                                  CONTENT_LENGTH=str(declared), HTTP_ACCEPT="application/json",
+                                  **{"wsgi.input": body})
+    _check_refused(realm, storage, tmp_path / "canary", name, response, m, versions_before, read=body.read_bytes)
     assert response.status_code == 413
+    return body
+
+
+def test_a_declared_10_gb_body_is_refused_unread(realm, as_alice, peft_folder, adapter_storage_dir, tmp_path):
+    body = _post_endless(realm, as_alice, peft_folder, adapter_storage_dir, tmp_path, TEN_GB, "10 GB declared")
     assert body.read_bytes < 1024 * 1024, body.read_bytes
     print("\n" + json.dumps(FIGURES[-1]))
 
@@ -331,15 +337,7 @@ def test_a_stream_past_the_cap_is_cut_off_early(realm, as_alice, peft_folder, ad
 
     settings.LORAFLEET_MAX_UPLOAD_BYTES = STREAM_CAP
     declared = STREAM_CAP + MAX_CONFIG_BYTES + 64 * 1024  # the most the early check lets through
-    body = EndlessBody((peft_folder / "adapter_config.json").read_bytes(), declared)
-    versions_before = _versions(realm)
-    with Measure(traced=True) as m:
-        response = as_alice.generic("POST", reverse("adapters:upload", args=[realm.acme_only.pk]),
-                                    CONTENT_TYPE=f"multipart/form-data; boundary={BOUNDARY}",
-                                    CONTENT_LENGTH=str(declared), HTTP_ACCEPT="application/json",
-                                    **{"wsgi.input": body})
-    _check_refused(realm, adapter_storage_dir, tmp_path / "canary", f"stream past a {STREAM_CAP >> 20} MB cap",
-                   response, m, versions_before, read=body.read_bytes)
-    assert response.status_code == 413
+    body = _post_endless(realm, as_alice, peft_folder, adapter_storage_dir, tmp_path, declared,
+                         f"stream past a {STREAM_CAP >> 20} MB cap")
     assert body.read_bytes <= STREAM_CAP + 2 * 1024 * 1024, body.read_bytes
     print("\n" + json.dumps(FIGURES[-1]))
