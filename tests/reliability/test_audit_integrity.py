@@ -39,22 +39,24 @@ def answered(rel_stack):
         return list(zip([m for m, _ in calls], pool.map(lambda c: _complete(rel_stack, *c), calls)))
 
 
-@pytest.fixture
-def app_conn(rel_stack):
-    """A connection as the application's runtime role (DATABASE_URL), in a transaction rolled back after."""
-    conn = psycopg.connect(rel_stack.db_url, row_factory=dict_row)
+def _rolled_back(url: str):
+    """A connection to `url`, in a transaction rolled back after."""
+    conn = psycopg.connect(url, row_factory=dict_row)
     yield conn
     conn.rollback()
     conn.close()
+
+
+@pytest.fixture
+def app_conn(rel_stack):
+    """A connection as the application's runtime role (DATABASE_URL), in a transaction rolled back after."""
+    yield from _rolled_back(rel_stack.db_url)
 
 
 @pytest.fixture
 def owner_conn(rel_stack):
     """A connection as the owner of the tables (MIGRATION_DATABASE_URL), rolled back after."""
-    conn = psycopg.connect(rel_stack.owner_url, row_factory=dict_row)
-    yield conn
-    conn.rollback()
-    conn.close()
+    yield from _rolled_back(rel_stack.owner_url)
 
 
 def _final_row(conn) -> dict:
