@@ -88,6 +88,10 @@ def database_unavailable() -> ApiError:
                     type="server_error", headers={"Retry-After": "2"})
 
 
+def internal_error() -> ApiError:
+    return ApiError(500, "internal_error", "The server failed while answering this request.", type="server_error")
+
+
 def timed_out(seconds: float) -> ApiError:
     return ApiError(504, "timeout", f"No answer from a worker within {seconds:g} s.", type="server_error")
 

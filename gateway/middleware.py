@@ -11,7 +11,7 @@ import logging
 
 from django.db import InterfaceError, OperationalError
 
-from .errors import ApiError, database_unavailable
+from .errors import database_unavailable, internal_error
 
 log = logging.getLogger(__name__)
 
@@ -30,5 +30,4 @@ class ApiErrorsMiddleware:
             log.warning("database unavailable on %s: %s", request.path, type(exception).__name__)
             return database_unavailable().response()
         log.error("internal error on %s", request.path, exc_info=exception)
-        return ApiError(500, "internal_error", "The server failed while answering this request.",
-                        type="server_error").response()
+        return internal_error().response()

@@ -21,7 +21,7 @@ from inference_worker.jobs import AdapterRef, GenerationJob, GenerationResult
 from . import audit, metrics
 from .auth import KeyRefused, authenticate
 from .binding import Target, resolve_target
-from .errors import ApiError, database_unavailable, from_worker, queue_unavailable, timed_out
+from .errors import ApiError, database_unavailable, from_worker, internal_error, queue_unavailable, timed_out
 from .limits import TenantSlot
 from .params import GenerationParams, parse_chat, parse_completion, parse_json_body
 from .prompts import chat_prompt, count_and_check
@@ -70,7 +70,7 @@ def serve(request, *, route: str, chat: bool) -> HttpResponse:
         return _error(draft, database_unavailable())
     except Exception:
         log.exception("internal error while serving %s", draft.request_id)
-        err = ApiError(500, "internal_error", "The server failed while answering this request.", type="server_error")
+        err = internal_error()
         if draft.record_id is not None:
             try:
                 audit.finalise(draft, ok=False, http_status=500, error_code=err.code, error_message=err.message)
