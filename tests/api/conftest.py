@@ -94,9 +94,3 @@ def post(client):
         return client.post(path, data=json.dumps(body), content_type="application/json", **headers)
 
     return call
-
-
-@pytest.fixture(autouse=True)
-def fast_password_hashing(settings):
-    """`world` creates three users per test; the production hasher would dominate these tests' time."""
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

@@ -13,12 +13,6 @@ from inference_worker.peft_factory import make_random_peft_adapter
 from inference_worker.tiny_base import build_tiny_base
 
 
-@pytest.fixture(autouse=True)
-def fast_password_hashing(settings):
-    """The world fixture creates three users; PBKDF2 at production strength costs ~0.7 s each."""
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
 @pytest.fixture(scope="session")
 def dash_files(tmp_path_factory) -> SimpleNamespace:
     """A tiny base checkpoint and PEFT folders: two good adapters (v1, v2) and a bad one."""
