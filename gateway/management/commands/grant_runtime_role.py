@@ -90,7 +90,7 @@ class Command(BaseCommand):
                 raise CommandError(f"DATABASE_URL and MIGRATION_DATABASE_URL are the same role ({role!r}): the app "
                                    f"would own the tables and could switch the audit triggers off. Give DATABASE_URL "
                                    f"a role of its own.")
-            found = conn.execute("SELECT rolsuper, rolcreaterole, rolbypassrls FROM pg_roles WHERE rolname = %s",
+            found = conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = %s",
                                  (role,)).fetchone()
             with conn.transaction():
                 if found is None:
