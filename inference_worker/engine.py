@@ -489,6 +489,7 @@ class Engine:
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.out_ids),
             adapter_sha256=job.adapter.sha256 if (job.adapter is not None and req.t_admit is not None) else None,
+            adapter_identity=job.adapter.identity if (job.adapter is not None and req.t_admit is not None) else None,
             queued_s=((req.t_admit or now) - req.t_submit),
             first_token_s=None if req.t_first is None else req.t_first - req.t_submit,
             total_s=now - req.t_submit,

@@ -5,6 +5,8 @@ hot path): which weights, by content hash and storage key, and the sampling para
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -24,6 +26,14 @@ def _from_dict(cls, d: dict[str, Any]):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def adapter_identity(weights_sha256: str, rank: int, alpha: float, use_rslora: bool, target_modules) -> str:
+    """sha256 over the canonical JSON of the weights' hash and the config fields that change the math."""
+    canonical = json.dumps({"weights_sha256": weights_sha256.lower(), "rank": int(rank), "alpha": float(alpha),
+                            "use_rslora": bool(use_rslora), "target_modules": sorted(set(target_modules))},
+                           sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 @dataclass
 class AdapterRef:
     """An immutable adapter version as the worker sees it: identified by the sha256 of its weights."""
@@ -41,6 +51,13 @@ class AdapterRef:
     def scale(self) -> float:
         """PEFT's scaling: alpha / r, or alpha / sqrt(r) for rsLoRA."""
         return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
+
+    @property
+    def identity(self) -> str:
+        """What the served math depends on: the weights' sha256 *and* the config that scales and places
+        them. Two versions with the same bytes and another lora_alpha (or rsLoRA, or targets) are two
+        identities, so the worker's caches never serve one with the other's scale."""
+        return adapter_identity(self.sha256, self.rank, self.alpha, self.use_rslora, self.target_modules)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,6 +115,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     adapter_sha256: str | None = None  # the hash of the weights the cache verified and served
+    adapter_identity: str | None = None  # AdapterRef.identity of what was served (weights + config)
     queued_s: float = 0.0  # submit -> admitted into the running batch
     first_token_s: float | None = None  # submit -> first generated token
     total_s: float = 0.0  # submit -> done
