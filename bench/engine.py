@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inference_worker.engine import Engine  # noqa: E402
 from inference_worker.jobs import AdapterRef, GenerationJob  # noqa: E402
 from inference_worker.model import ModelRunner  # noqa: E402
-from inference_worker.peft_factory import make_random_peft_adapter  # noqa: E402
-from inference_worker.tiny_base import build_tiny_base  # noqa: E402
+from demo.tiny_base import build_tiny_base  # noqa: E402
+from tests.support.peft_factory import make_random_peft_adapter  # noqa: E402
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODELS = {

@@ -34,7 +34,7 @@ DJANGO_APPS = [
     "django.contrib.staticfiles",
 ]
 THIRD_PARTY_APPS = ["rest_framework", "drf_spectacular"]
-LOCAL_APPS = ["tenants", "adapters", "gateway", "inference_worker"]
+LOCAL_APPS = ["tenants", "adapters", "gateway", "inference_worker", "demo"]
 INSTALLED_APPS = DJANGO_APPS + THIRD_PARTY_APPS + LOCAL_APPS
 
 MIDDLEWARE = [

@@ -13,8 +13,8 @@ from typing import Callable
 import pytest
 import torch
 
-from inference_worker.peft_factory import make_random_peft_adapter
-from inference_worker.tiny_base import build_tiny_base
+from demo.tiny_base import build_tiny_base
+from tests.support.peft_factory import make_random_peft_adapter
 
 BASE_MAX_RANK = 16
 

@@ -14,7 +14,7 @@ from adapters.models import BaseModel
 from gateway import limits, queue
 from inference_worker.jobs import GenerationResult
 from inference_worker.replies import ReplyTimeout
-from inference_worker.tiny_base import build_tiny_base
+from demo.tiny_base import build_tiny_base
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from inference_worker.peft_factory import make_random_peft_adapter
-from inference_worker.tiny_base import build_tiny_base
+from demo.tiny_base import build_tiny_base
+from tests.support.peft_factory import make_random_peft_adapter
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import uuid
 import pytest
 from django.core.management import call_command
 
-from inference_worker import training
+from demo import training
 
 PROMPT = "What did you do today?"
 STORY_OPENING = "One day, Anna"

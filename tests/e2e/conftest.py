@@ -215,7 +215,7 @@ def e2e(tmp_path_factory):
         out = subprocess.run([PYTHON, "manage.py", "migrate", "--noinput"], cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-        from inference_worker.tiny_base import build_tiny_base
+        from demo.tiny_base import build_tiny_base
 
         checkpoint = build_tiny_base(root / "tiny", arch="llama", seed=11)
         out = subprocess.run([PYTHON, str(REPO / "tests/e2e/seed_stack.py"), str(checkpoint), str(root), suffix],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_worker.tiny_base import build_tiny_base
+from demo.tiny_base import build_tiny_base
 
 
 @pytest.fixture(scope="session")

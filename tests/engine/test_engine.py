@@ -10,7 +10,7 @@ import torch
 from inference_worker.engine import Engine
 from inference_worker.jobs import AdapterRef, GenerationJob
 from inference_worker.model import ModelRunner
-from inference_worker.peft_factory import make_random_peft_adapter
+from tests.support.peft_factory import make_random_peft_adapter
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET_SETS = [("q_proj", "v_proj"), ALL_TARGETS, ("o_proj", "down_proj"), ("k_proj", "gate_proj", "up_proj")]

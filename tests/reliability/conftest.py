@@ -64,14 +64,14 @@ def dispatcher(monkeypatch) -> RecordingDispatcher:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    from inference_worker.tiny_base import build_tiny_base
+    from demo.tiny_base import build_tiny_base
 
     return build_tiny_base(tmp_path_factory.mktemp("rel_tiny"), arch="llama", seed=3, max_position=128)
 
 
 @pytest.fixture(scope="session")
 def peft_folder(tiny_checkpoint, tmp_path_factory) -> Path:
-    from inference_worker.peft_factory import make_random_peft_adapter
+    from tests.support.peft_factory import make_random_peft_adapter
 
     return make_random_peft_adapter(tiny_checkpoint, tmp_path_factory.mktemp("rel_peft") / "good", r=8, alpha=16,
                                     seed=4)
@@ -183,7 +183,7 @@ def rel_stack(tmp_path_factory):
         env, granted = runtime_role_stack_env(e2e_helpers.ADMIN_DB_URL, db_name, role, base_env)
         stack = e2e_helpers.Stack(root, env)
         run = dict(cwd=e2e_helpers.REPO, env=env, capture_output=True, text=True, timeout=300)
-        from inference_worker.tiny_base import build_tiny_base
+        from demo.tiny_base import build_tiny_base
 
         checkpoint = build_tiny_base(root / "tiny", arch="llama", seed=11)
         out = subprocess.run([e2e_helpers.PYTHON, str(e2e_helpers.REPO / "tests/e2e/seed_stack.py"), str(checkpoint),

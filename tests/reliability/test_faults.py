@@ -63,7 +63,7 @@ from pathlib import Path
 from adapters.models import BaseModel
 from adapters.services import create_adapter
 from adapters.uploads import create_adapter_version
-from inference_worker.peft_factory import make_random_peft_adapter
+from tests.support.peft_factory import make_random_peft_adapter
 from tenants.models import Tenant
 tenant, base = Tenant.objects.get(slug={tenant!r}), BaseModel.objects.get(slug={base!r})
 names = []

@@ -119,7 +119,7 @@ def _st(tensors: dict[str, torch.Tensor], tmp: Path) -> bytes:
 
 @pytest.fixture(scope="module")
 def rank_over_cap(tiny_checkpoint, tmp_path_factory) -> Path:
-    from inference_worker.peft_factory import make_random_peft_adapter
+    from tests.support.peft_factory import make_random_peft_adapter
 
     return make_random_peft_adapter(tiny_checkpoint, tmp_path_factory.mktemp("rel_r128") / "r128", r=128,
                                     alpha=128, seed=9)

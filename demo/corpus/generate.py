@@ -3,7 +3,7 @@
 Why procedural: the tiny demo base must learn *words* in under a minute of CPU training, and the
 tokenizer must be trained on text the project ships (no downloads). Short, regular English with a
 small vocabulary is what a 2-layer model can pick up that fast. The output is committed; rerun this
-only to change the corpus (`python inference_worker/corpus/generate.py`), it is deterministic.
+only to change the corpus (`python demo/corpus/generate.py`), it is deterministic.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ choose an init with O(1) activations: HF's default std=0.02 makes every logit ~0
 parity test pass even when the model code is wrong. Norm weights and biases are jittered for the same
 reason (a missing norm weight or bias must change the logits).
 
-Django-free on purpose: the bench and the worker import it without settings.
+Django-free on purpose: tests and benches import it without settings.
 """
 from __future__ import annotations
 

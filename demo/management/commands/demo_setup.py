@@ -29,7 +29,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
-from inference_worker import training
+from demo import training
 
 BASE_SLUG = "tiny-demo"
 ADAPTERS_UPLOADED_BY = {"acme": "alice", "globex": "charlie"}

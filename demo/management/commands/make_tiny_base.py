@@ -1,11 +1,11 @@
-"""`manage.py make_tiny_base OUT_DIR`: a thin wrapper over inference_worker.tiny_base.build_tiny_base."""
+"""`manage.py make_tiny_base OUT_DIR`: a thin wrapper over demo.tiny_base.build_tiny_base."""
 from __future__ import annotations
 
 import time
 
 from django.core.management.base import BaseCommand, CommandError
 
-from inference_worker.tiny_base import ARCHITECTURES, build_tiny_base
+from demo.tiny_base import ARCHITECTURES, build_tiny_base
 
 
 class Command(BaseCommand):

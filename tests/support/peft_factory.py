@@ -3,7 +3,7 @@
 Built with PEFT itself (`get_peft_model(...).save_pretrained`) so the files are exactly what a
 customer uploads. PEFT initialises lora_B to zero, which would make every adapter an identity and
 every "adapter changes the output" test vacuous, so both A and B are re-drawn at random.
-Django-free: tests, benches and the demo all use it.
+Django-free: tests and benches use it (`from tests.support.peft_factory import ...`).
 """
 from __future__ import annotations
 

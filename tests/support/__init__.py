@@ -1,0 +1,1 @@
+"""Helpers shared by tests and benches (importable as `tests.support`; not test modules themselves)."""
