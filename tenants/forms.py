@@ -1,9 +1,12 @@
-"""Dashboard forms for API keys and members. Querysets are always narrowed to the current tenant."""
+"""Dashboard forms for API keys, invitations and roles. Querysets are always narrowed to the current tenant.
+
+The invitation form looks nothing up: whether an account has the typed name is not the inviter's
+business (services.do_invite).
+"""
 from __future__ import annotations
 
 from django import forms
 from django.apps import apps
-from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from .models import Role
@@ -37,23 +40,30 @@ class ApiKeyCreateForm(forms.Form):
         return expires_at
 
 
-class MemberForm(forms.Form):
-    """Add a registered user to the tenant, or change the role of one already in it."""
+def _grantable_roles(granter_role: str) -> list[tuple[str, str]]:
+    # Only an owner can make another owner; an admin cannot promote past itself.
+    return [c for c in Role.choices if granter_role == Role.OWNER or c[0] != Role.OWNER]
 
-    username = forms.CharField(max_length=150, label="Username or e-mail")
+
+class InviteForm(forms.Form):
+    """Invite someone by username or e-mail to join the tenant with a role; they accept or decline."""
+
+    username = forms.CharField(max_length=254, label="Username or e-mail")
     role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
 
     def __init__(self, *args, granter_role: str, **kwargs):
         super().__init__(*args, **kwargs)
-        if granter_role != Role.OWNER:
-            # Only an owner can make another owner; an admin cannot promote past itself.
-            self.fields["role"].choices = [c for c in Role.choices if c[0] != Role.OWNER]
+        self.fields["role"].choices = _grantable_roles(granter_role)
 
     def clean_username(self):
-        value = self.cleaned_data["username"].strip()
-        users = get_user_model().objects
-        user = users.filter(username=value).first() or users.filter(email__iexact=value).first()
-        if user is None:
-            raise forms.ValidationError("No user with that username or e-mail; they need an account first.")
-        self.user = user
-        return value
+        return self.cleaned_data["username"].strip()
+
+
+class RoleForm(forms.Form):
+    """Change the role of someone already in the tenant."""
+
+    role = forms.ChoiceField(choices=Role.choices)
+
+    def __init__(self, *args, granter_role: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["role"].choices = _grantable_roles(granter_role)

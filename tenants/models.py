@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import datetime as dt
+
 from django.conf import settings
 from django.core.validators import RegexValidator
 from django.db import models
+from django.db.models.functions import Lower
 from django.utils import timezone
 
-from .scoping import scoped_queryset
+from .scoping import TenantScopedQuerySet, scoped_queryset
 
 slug_validator = RegexValidator(
     r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$",
@@ -43,6 +46,9 @@ class Membership(models.Model):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
     role = models.CharField(max_length=10, choices=Role.choices, default=Role.MEMBER)
     created_at = models.DateTimeField(default=timezone.now)
+    # When the user last chose this tenant (switched to it or joined it): a fresh login lands in the
+    # tenant with the latest value, so nobody else's choice (e.g. whoever invited them) decides it.
+    last_used_at = models.DateTimeField(null=True, blank=True)
 
     objects = scoped_queryset("tenant").as_manager()
 
@@ -61,6 +67,87 @@ class Membership(models.Model):
     def can_manage(self) -> bool:
         """Manage API keys and members."""
         return self.role in (Role.OWNER, Role.ADMIN)
+
+
+INVITATION_LIFETIME = dt.timedelta(days=7)
+
+
+class InvitationQuerySet(TenantScopedQuerySet):
+    tenant_path = "tenant"
+
+    def open(self) -> "InvitationQuerySet":
+        """Neither accepted, declined nor revoked (expired ones included: an owner may still revoke them)."""
+        return self.filter(accepted_at__isnull=True, declined_at__isnull=True, revoked_at__isnull=True)
+
+    def pending(self, now: dt.datetime | None = None) -> "InvitationQuerySet":
+        """Open and not expired: the ones that can still be accepted."""
+        return self.open().filter(expires_at__gt=now or timezone.now())
+
+    def addressed_to(self, user) -> "InvitationQuerySet":
+        """Invitations whose typed name is this user's username (exactly) or e-mail (any case).
+
+        This is the only way an invitation reaches an account: nothing about the account is looked up
+        when the invitation is made, so making one says nothing about whether the account exists.
+        """
+        match = models.Q(invited_as=user.get_username())
+        if user.email:
+            match |= models.Q(invited_as__iexact=user.email)
+        return self.filter(match)
+
+
+class Invitation(models.Model):
+    """An offer to join a tenant with a role, addressed to a username or e-mail as the inviter typed it.
+
+    Nobody becomes a member without accepting from their own session. The token of the invitation
+    link is stored only as its SHA-256; at most one of accepted/declined/revoked is ever set.
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="invitations")
+    invited_as = models.CharField("username or e-mail", max_length=254)
+    role = models.CharField(max_length=10, choices=Role.choices, default=Role.MEMBER)
+    invited_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    accepted_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    declined_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = InvitationQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            # Inviting the same name again replaces the open invitation (services.do_invite).
+            models.UniqueConstraint(
+                Lower("invited_as"), "tenant",
+                condition=models.Q(accepted_at__isnull=True, declined_at__isnull=True, revoked_at__isnull=True),
+                name="invitation_one_open_per_tenant_and_name",
+            ),
+            models.CheckConstraint(
+                condition=~(models.Q(accepted_at__isnull=False, declined_at__isnull=False)
+                            | models.Q(accepted_at__isnull=False, revoked_at__isnull=False)
+                            | models.Q(declined_at__isnull=False, revoked_at__isnull=False)),
+                name="invitation_ends_at_most_once",
+            ),
+            models.CheckConstraint(condition=models.Q(expires_at__gt=models.F("created_at")),
+                                   name="invitation_expires_after_creation"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.invited_as} to {self.tenant} ({self.role})"
+
+    @property
+    def is_open(self) -> bool:
+        return self.accepted_at is None and self.declined_at is None and self.revoked_at is None
+
+    def is_expired(self, now: dt.datetime | None = None) -> bool:
+        return self.expires_at <= (now or timezone.now())
 
 
 class ApiKey(models.Model):

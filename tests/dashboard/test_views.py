@@ -48,6 +48,7 @@ def object_urls(w) -> list[tuple[str, str]]:
         ("get", reverse("tenants:revoke_key", args=[w.acme_key.pk])),
         ("post", reverse("tenants:revoke_key", args=[w.acme_key.pk])),
         ("post", reverse("tenants:remove_member", args=[bob_membership.pk])),
+        ("post", reverse("tenants:change_role", args=[bob_membership.pk])),
     ]
 
 
@@ -79,7 +80,7 @@ def test_the_switcher_changes_tenant_only_to_ones_the_user_is_in(as_charlie, wor
     from tenants.services import add_member
 
     add_member(world.acme, world.charlie, Role.MEMBER)
-    assert b"Globex" in as_charlie.get(reverse("adapters:list")).content  # first tenant by slug: acme
+    assert b"Globex" in as_charlie.get(reverse("adapters:list")).content  # never chose one: first by name, Acme
     as_charlie.post(reverse("tenants:switch"), {"tenant": "globex", "next": "/adapters/"})
     page = as_charlie.get(reverse("adapters:list"))
     assert page.wsgi_request.tenant == world.globex
@@ -342,24 +343,33 @@ def test_alice_revokes_a_key(as_alice, world):
 # --- members -------------------------------------------------------------------------------
 
 
-def test_alice_adds_a_member_and_changes_a_role(as_alice, world):
-    as_alice.post(reverse("tenants:members"), {"username": "charlie", "role": "viewer"})
+def test_alice_invites_a_member_who_accepts_and_changes_a_role(client, world):
+    """Adding a member is an invitation: charlie is in acme only after he accepts, with the invited role."""
+    login(client, world.alice).post(reverse("tenants:members"), {"username": "charlie", "role": "viewer"})
+    assert not Membership.objects.filter(tenant=world.acme, user=world.charlie).exists()
+    client.force_login(world.charlie)
+    invitation = world.acme.invitations.get(invited_as="charlie")
+    client.post(reverse("tenants:accept_invitation", args=[invitation.pk]))
     assert Membership.objects.get(tenant=world.acme, user=world.charlie).role == Role.VIEWER
-    as_alice.post(reverse("tenants:members"), {"username": "bob", "role": "admin"})
+    client.force_login(world.alice)
+    bob_membership = Membership.objects.get(tenant=world.acme, user=world.bob)
+    client.post(reverse("tenants:change_role", args=[bob_membership.pk]), {"role": "admin"})
     assert Membership.objects.get(tenant=world.acme, user=world.bob).role == Role.ADMIN
 
 
 def test_the_last_owner_cannot_be_demoted_or_removed(as_alice, world):
-    response = as_alice.post(reverse("tenants:members"), {"username": "alice", "role": "viewer"})
-    assert response.status_code == 400 and b"at least one owner" in response.content
     alice_membership = Membership.objects.get(tenant=world.acme, user=world.alice)
-    as_alice.post(reverse("tenants:remove_member", args=[alice_membership.pk]))
+    response = as_alice.post(reverse("tenants:change_role", args=[alice_membership.pk]), {"role": "viewer"}, follow=True)
+    assert b"at least one owner" in response.content
+    response = as_alice.post(reverse("tenants:remove_member", args=[alice_membership.pk]), follow=True)
+    assert b"at least one owner" in response.content
     assert Membership.objects.filter(pk=alice_membership.pk, role=Role.OWNER).exists()
 
 
-def test_an_unknown_user_cannot_be_added(as_alice, world):
-    response = as_alice.post(reverse("tenants:members"), {"username": "mallory", "role": "member"})
-    assert response.status_code == 400 and b"need an account first" in response.content
+def test_inviting_an_unknown_name_adds_nobody(as_alice, world):
+    response = as_alice.post(reverse("tenants:members"), {"username": "mallory", "role": "member"}, follow=True)
+    assert b"If an account with that username or e-mail exists" in response.content
+    assert Membership.objects.for_tenant(world.acme).count() == 2
 
 
 def test_alice_removes_bob(as_alice, world):
