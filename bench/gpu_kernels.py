@@ -4,8 +4,11 @@ torch per-segment loop, side by side in one run.
     .venv/bin/python bench/gpu_kernels.py          # on a machine with a CUDA GPU, ~2 minutes
     TRITON_INTERPRET=1 .venv/bin/python bench/gpu_kernels.py --smoke   # CPU: tiny shapes, checks code paths only
 
-bf16 weights and activations, r = 16, all seven projections of a decoder layer summed per cell, B stacks
-rank-major in memory (kernels/dispatch.py says why).
+bf16 weights and activations, r = 16, all seven projections of a decoder layer summed per cell. Weights
+are pooled as the worker holds them: one flat buffer per layer, every adapter's A and B^T (rank-major) at
+random offsets with gaps, exactly its real rank, one `LoraTable` per projection (kernels/table.py);
+offsets are multiples of 16 bytes (the Triton kernels' vector-load path), and one line compares
+unaligned ones.
 Timing is triton.testing.do_bench (L2 flushed before every repeat), eager and as a CUDA graph replay
 (the bandwidth figures use the graph time: GPU time without Python launch overhead). "bytes" is what the op must move at
 least: A and B of the distinct adapters in the batch, x, and out read and written. The fraction is taken
@@ -21,8 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import LoraMapping, add_lora  # noqa: E402
+from kernels import LoraMapping, LoraTable, add_lora  # noqa: E402
 from kernels.reference import add_lora_reference  # noqa: E402
+from kernels.testing import random_pool  # noqa: E402
 
 PEAK_HBM_BYTES_S = {  # datasheet figures, by substring of torch.cuda.get_device_name()
     "H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12,
@@ -98,50 +102,61 @@ def main() -> None:
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s measured; datasheet HBM peak: "
           f"{peak / 1e9:.0f} GB/s" if peak else f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s measured")
 
-    def make_layer(r_max: int) -> dict:
-        # B: [S, d_out, r_max] as a view of rank-major memory, so a rank-r slot reads r rows of d_out
-        return {n: (torch.randn(SLOTS, r_max, d_in, device=device, dtype=dtype) * 0.05,  # [S, r_max, d_in]
-                    (torch.randn(SLOTS, r_max, d_out, device=device, dtype=dtype) * 0.05).transpose(1, 2))
-                for n, (d_in, d_out) in projections.items()}
+    def make_layer(ranks: list[int], seed: int = 0, align: int = 8) -> tuple[torch.Tensor, dict[str, LoraTable]]:
+        """One layer's pooled weights (bf16; align 8 elements = 16 bytes) and a table per projection."""
+        pooled = random_pool(projections, {n: ranks for n in projections}, dtype=dtype, std=0.05, garbage=0.05,
+                             seed=seed, align=align, max_gap=max(8, align), device=device)
+        return pooled.buffer, pooled.tables
 
-    layer = make_layer(16)
+    layer = make_layer([16] * SLOTS)
     base_w = {n: torch.randn(d_out, d_in, device=device, dtype=dtype) * 0.02 for n, (d_in, d_out) in projections.items()}
     scales = torch.full((SLOTS,), 2.0, device=device)
 
-    # correctness first: the timed op must be the right op
+    # correctness first: the timed op must be the right op (slot 3 has no weights in gate_proj)
     slots = batch_slots(16, 8)
-    mapping = LoraMapping.build(torch.tensor(slots, dtype=torch.int32, device=device), [16] * SLOTS)
-    a, b = layer["gate_proj"]
-    x = torch.randn(16, a.shape[2], device=device, dtype=dtype)
-    out = torch.randn(16, b.shape[1], device=device, dtype=dtype)
-    got = add_lora(out.clone(), x, a, b, mapping, scales, backend="triton")
-    want = add_lora_reference(out.cpu().clone(), x.cpu(), a.cpu(), b.cpu(),
-                              LoraMapping.build(slots, [16] * SLOTS), scales.cpu())
+    buffer, tables = layer
+    gate = tables["gate_proj"]
+    gate_ranks = [0 if s == 3 else r for s, r in enumerate(gate.rank_list)]
+    table = LoraTable.build(list(gate.a_offset_list), list(gate.b_offset_list), gate_ranks, d_in=gate.d_in,
+                            d_out=gate.d_out, device=device)
+    x = torch.randn(16, table.d_in, device=device, dtype=dtype)
+    out = torch.randn(16, table.d_out, device=device, dtype=dtype)
+    mapping = LoraMapping.build(torch.tensor(slots, dtype=torch.int32, device=device), SLOTS)
+    got = add_lora(out.clone(), x, buffer, table, mapping, scales, backend="triton")
+    host_table = LoraTable.build(list(table.a_offset_list), list(table.b_offset_list), gate_ranks,
+                                 d_in=table.d_in, d_out=table.d_out, device="cpu")
+    want = add_lora_reference(out.cpu().clone(), x.cpu(), buffer.cpu(), host_table,
+                              LoraMapping.build(slots, SLOTS), scales.cpu())
     torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
+    skipped = [t for t, s in enumerate(slots) if s == 3]
+    assert torch.equal(got[skipped], out[skipped]), "a rank-0 slot's tokens must be left untouched"
 
-    def cell(tokens: int, adapters: int, layer: dict, ranks: list[int]):
+    def cell(tokens: int, adapters: int, layer: tuple[torch.Tensor, dict[str, LoraTable]]):
+        buffer, tables = layer
         slots = batch_slots(tokens, adapters)
-        mapping = LoraMapping.build(torch.tensor(slots, dtype=torch.int32, device=device), ranks)
+        mapping = LoraMapping.build(torch.tensor(slots, dtype=torch.int32, device=device), SLOTS)
         xs = {n: torch.randn(tokens, d_in, device=device, dtype=dtype) for n, (d_in, _) in projections.items()}
         outs = {n: torch.zeros(tokens, d_out, device=device, dtype=dtype) for n, (_, d_out) in projections.items()}
 
         def ours():
-            for n, (a, b) in layer.items():
-                add_lora(outs[n], xs[n], a, b, mapping, scales, backend="triton")
+            for n, table in tables.items():
+                add_lora(outs[n], xs[n], buffer, table, mapping, scales, backend="triton")
 
         def loop():  # torch per-segment: two matmuls per adapter run, as without SGMV
-            for n, (a, b) in layer.items():
-                for start, end, slot, r in mapping.segments:
-                    outs[n][start:end] += 2.0 * ((xs[n][start:end] @ a[slot, :r].t()) @ b[slot, :, :r].t())
+            for n, table in tables.items():
+                for start, end, slot, _ in mapping.plan(table).segments:
+                    a, b_t = table.a_of(buffer, slot), table.b_of(buffer, slot)  # [r, d_in], [r, d_out]
+                    outs[n][start:end] += 2.0 * ((xs[n][start:end] @ a.t()) @ b_t)
 
         def base():
             for n, w in base_w.items():
                 torch.nn.functional.linear(xs[n], w)
 
         moved = 0
-        for d_in, d_out in projections.values():
+        for n, (d_in, d_out) in projections.items():
+            ranks = tables[n].rank_list
             moved += sum(ranks[s] * (d_in + d_out) * 2 for s in set(slots))
-            moved += tokens * (d_in + 2 * d_out) * 2
+            moved += sum(1 for s in slots if ranks[s] > 0) * (d_in + 2 * d_out) * 2
         return ours, loop, base, moved, len(set(slots))
 
     print("\n| tokens | adapters | Triton ms | Triton graph ms | torch loop ms | base GEMM ms | Triton vs loop "
@@ -149,7 +164,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for tokens in tokens_grid:
         for adapters in adapters_grid:
-            ours, loop, base, moved, distinct = cell(tokens, adapters, layer, [16] * SLOTS)
+            ours, loop, base, moved, distinct = cell(tokens, adapters, layer)
             t_ours, t_loop, t_base = (bench_ms(f, args.smoke) for f in (ours, loop, base))
             replay = graphed(ours, args.smoke)
             t_graph = bench_ms(replay, args.smoke) if replay else t_ours
@@ -161,15 +176,20 @@ def main() -> None:
                   f"| {rate / 1e9:.0f} | {rate / copy_bw:.0%} | {peak_txt} |", flush=True)
 
     tokens, adapters = (16, 8) if args.smoke else (64, 32)
-    mixed_ranks = [4 if s % 2 == 0 else 64 for s in range(SLOTS)]
-    layer64 = make_layer(64)
     timed = []
-    for ranks in (mixed_ranks, [64] * SLOTS):
-        fn = cell(tokens, adapters, layer64, ranks)[0]
+    for ranks in ([4 if s % 2 == 0 else 64 for s in range(SLOTS)], [64] * SLOTS):  # pools hold the real ranks
+        fn = cell(tokens, adapters, make_layer(ranks, seed=1))[0]
         timed.append(bench_ms(graphed(fn, args.smoke) or fn, args.smoke))
     t_mixed, t_all = timed
     print(f"\nranks mixed 4/64 vs all 64 ({tokens} tokens x {adapters} adapters): {t_mixed:.3f} ms vs "
           f"{t_all:.3f} ms = {t_mixed / t_all:.2f}x (goal <= 0.65x)")
+
+    timed = []
+    for align in (8, 1):  # 16-byte offsets (vector loads) against offsets of any element
+        fn = cell(tokens, adapters, make_layer([16] * SLOTS, seed=2, align=align))[0]
+        timed.append(bench_ms(graphed(fn, args.smoke) or fn, args.smoke))
+    print(f"offsets aligned to 16 bytes vs unaligned ({tokens} tokens x {adapters} adapters, r = 16): "
+          f"{timed[0]:.3f} ms vs {timed[1]:.3f} ms = {timed[0] / timed[1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,13 @@ the machine's copy bandwidth, all measured side by side in this one run.
     .venv/bin/python bench/kernels.py            # ~5-10 minutes on 2 cores, ~3 GB of RAM
 
 Each cell runs all seven projections of a decoder layer (q, k, v, o: 4096 -> 4096; gate, up:
-4096 -> 11008; down: 11008 -> 4096) with r = 16 adapters and sums their times. B stacks are
-rank-major in memory (kernels/cpu.py says why). Caches are flushed before every
-timed call so that, as in a real forward pass, adapter weights come from DRAM and not from a cache
-warmed by the previous repeat. "bytes" is what the op must move at least: the A
-and B of the distinct adapters in the batch, x, and out read and written.
+4096 -> 11008; down: 11008 -> 4096) with r = 16 adapters and sums their times. Weights are pooled as
+the worker's memory pool holds them: one flat buffer per layer, every adapter's A and B^T (rank-major)
+at random unaligned element offsets with gaps between them, exactly its real rank, one `LoraTable` per
+projection (kernels/table.py). Caches are flushed before every timed call so that, as in a real
+forward pass, adapter weights come from DRAM and not from a cache warmed by the previous repeat.
+"bytes" is what the op must move at least: the A and B of the distinct adapters in the batch at their
+real rank, x, and out read and written (for the tokens with weights in each projection).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import LoraMapping, add_lora  # noqa: E402
+from kernels import LoraMapping, LoraTable, add_lora  # noqa: E402
+from kernels.testing import random_pool  # noqa: E402
 
 HIDDEN, INTERMEDIATE, RANK = 4096, 11008, 16
 PROJECTIONS = {  # name: (d_in, d_out)
@@ -70,15 +73,19 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / seconds
 
 
-def make_layer(r_max: int) -> dict:
-    """LoRA stacks of one decoder layer, per projection."""
-    layer = {}
-    for name, (d_in, d_out) in PROJECTIONS.items():
-        a = torch.randn(SLOTS, r_max, d_in) * 0.01  # [S, r_max, d_in]
-        # [S, d_out, r_max] as a view of rank-major memory, the layout the CPU path prefers (kernels/cpu.py)
-        b = (torch.randn(SLOTS, r_max, d_out) * 0.01).transpose(1, 2)
-        layer[name] = (a, b)
-    return layer
+def make_layer(ranks: list[int], seed: int = 0, align: int = 1) -> tuple[torch.Tensor, dict[str, LoraTable]]:
+    """One decoder layer's pooled LoRA weights: a flat buffer and a table per projection, each adapter
+    holding exactly its rank, at random offsets in random order (as a pool after many loads/evictions),
+    offsets multiples of `align` elements."""
+    pooled = random_pool(PROJECTIONS, {name: ranks for name in PROJECTIONS}, std=0.01, garbage=0.01, seed=seed,
+                         align=align, max_gap=max(8, align))
+    return pooled.buffer, pooled.tables
+
+
+def with_ranks(tables: dict[str, LoraTable], ranks: dict[str, list[int]]) -> dict[str, LoraTable]:
+    """The same placements with other ranks per projection (0 = the slot has no weights there)."""
+    return {name: LoraTable.build(list(t.a_offset_list), list(t.b_offset_list), ranks[name], d_in=t.d_in,
+                                  d_out=t.d_out, device="cpu") for name, t in tables.items()}
 
 
 def cpu_model() -> str:
@@ -96,36 +103,40 @@ def batch_slots(tokens: int, adapters: int) -> list[int]:
     return [t * adapters // tokens if adapters <= tokens else t for t in range(tokens)]
 
 
-def lora_bytes(slots: list[int], ranks: list[int]) -> int:
+def lora_bytes(slots: list[int], tables: dict[str, LoraTable]) -> int:
+    """A and B of the distinct adapters at their real rank, x read and out read and written, for the
+    tokens that have weights in each projection."""
     total = 0
-    for d_in, d_out in PROJECTIONS.values():
-        total += sum(ranks[s] * (d_in + d_out) * 4 for s in set(slots))  # A and B at the real rank
-        total += len(slots) * (d_in + 2 * d_out) * 4  # x read, out read and written
+    for name, (d_in, d_out) in PROJECTIONS.items():
+        ranks = tables[name].rank_list
+        total += sum(ranks[s] * (d_in + d_out) * 4 for s in set(slots))
+        total += sum(1 for s in slots if ranks[s] > 0) * (d_in + 2 * d_out) * 4
     return total
 
 
 class Cell:
-    """Inputs of one (tokens, adapters) cell: x and out per projection, one layer's LoRA stacks."""
+    """Inputs of one (tokens, adapters) cell: x and out per projection, one layer's pooled LoRA weights."""
 
-    def __init__(self, layer, tokens, slots, ranks):
-        self.layer, self.slots = layer, slots
-        self.mapping = LoraMapping.build(torch.tensor(slots, dtype=torch.int32), torch.tensor(ranks, dtype=torch.int32))
+    def __init__(self, layer, tokens, slots):
+        self.buffer, self.tables = layer
+        self.slots = slots
+        self.mapping = LoraMapping.build(torch.tensor(slots, dtype=torch.int32), SLOTS)
         self.scales = torch.full((SLOTS,), 2.0)
         self.x = {n: torch.randn(tokens, d_in) for n, (d_in, _) in PROJECTIONS.items()}
         self.out = {n: torch.zeros(tokens, d_out) for n, (_, d_out) in PROJECTIONS.items()}
-        self.ranks = ranks
 
     def ours(self) -> None:
-        for name, (a, b) in self.layer.items():
-            add_lora(self.out[name], self.x[name], a, b, self.mapping, self.scales)
+        for name, table in self.tables.items():
+            add_lora(self.out[name], self.x[name], self.buffer, table, self.mapping, self.scales)
 
     def naive(self) -> None:
         """What serving without SGMV does: each request (here: each token) runs its own two matmuls."""
-        for name, (a, b) in self.layer.items():
+        for name, table in self.tables.items():
             x, out = self.x[name], self.out[name]
             for t, slot in enumerate(self.slots):
-                r = self.ranks[slot]
-                out[t : t + 1] += 2.0 * ((x[t : t + 1] @ a[slot, :r].t()) @ b[slot, :, :r].t())
+                if table.rank_list[slot]:
+                    a, b_t = table.a_of(self.buffer, slot), table.b_of(self.buffer, slot)  # [r, d_in], [r, d_out]
+                    out[t : t + 1] += 2.0 * ((x[t : t + 1] @ a.t()) @ b_t)
 
 
 def base_gemm_seconds(tokens: int, weights: dict, repeats: int) -> float:
@@ -151,8 +162,7 @@ def main() -> None:
           f"at the end, the fractions use the higher figure)")
 
     base_weights = {n: torch.randn(d_out, d_in) * 0.01 for n, (d_in, d_out) in PROJECTIONS.items()}
-    layer = make_layer(RANK)
-    ranks = [RANK] * SLOTS
+    layer = make_layer([RANK] * SLOTS)
 
     rows = []  # printed at the end, when the copy bandwidth has been measured twice
     headline = None
@@ -160,10 +170,10 @@ def main() -> None:
         base = base_gemm_seconds(tokens, base_weights, max(3, args.repeats // 2))
         for adapters in ADAPTERS:
             slots = batch_slots(tokens, adapters)
-            cell = Cell(layer, tokens, slots, ranks)
+            cell = Cell(layer, tokens, slots)
             ours = timeit(cell.ours, 3 * args.repeats)  # cheap, and the figure the goals are about
             naive = timeit(cell.naive, max(3, args.repeats // 2))
-            moved = lora_bytes(slots, ranks)
+            moved = lora_bytes(slots, layer[1])
             distinct = len(set(slots))
             label = f"{adapters}" if distinct == adapters else f"{adapters} ({distinct} used)"
             rows.append((f"| {tokens} | {label} | {ours * 1e3:.2f} | {naive * 1e3:.2f} | {base * 1e3:.2f} | "
@@ -172,13 +182,30 @@ def main() -> None:
             print(f"  measured {tokens} tokens x {adapters} adapters", file=sys.stderr, flush=True)
             if (tokens, adapters) == (64, 32):
                 headline = moved / ours
-    del layer
-
-    # heterogeneous ranks: half the adapters at rank 4, half at 64, against all at rank 64 (r_max 64)
-    mixed_ranks = [4 if s % 2 == 0 else 64 for s in range(SLOTS)]
-    layer64 = make_layer(64)
+    # rank-0 slots: half the adapters attention-only (rank 0 in the gate/up/down tables), same placements
     slots = batch_slots(64, 32)
-    mixed_cell, all64_cell = Cell(layer64, 64, slots, mixed_ranks), Cell(layer64, 64, slots, [64] * SLOTS)
+    attn_only = with_ranks(layer[1], {name: [0 if s % 2 == 0 and name in ("gate_proj", "up_proj", "down_proj")
+                                             else RANK for s in range(SLOTS)] for name in PROJECTIONS})
+    half_cell, full_cell = Cell((layer[0], attn_only), 64, slots), Cell(layer, 64, slots)
+    half, full = float("inf"), float("inf")
+    for _ in range(3 * args.repeats):  # interleaved, so load from other processes hits both alike
+        half = min(half, timeit(half_cell.ours, 1))
+        full = min(full, timeit(full_cell.ours, 1))
+    half_bytes_ratio = lora_bytes(slots, attn_only) / lora_bytes(slots, layer[1])
+    del half_cell
+
+    # the same cell with every matrix on a 64-byte boundary (a cache line), against the unaligned offsets
+    aligned_cell = Cell(make_layer([RANK] * SLOTS, seed=3, align=16), 64, slots)
+    aligned, unaligned = float("inf"), float("inf")
+    for _ in range(3 * args.repeats):
+        aligned = min(aligned, timeit(aligned_cell.ours, 1))
+        unaligned = min(unaligned, timeit(full_cell.ours, 1))
+    del layer, full_cell, aligned_cell
+
+    # heterogeneous ranks: half the adapters at rank 4, half at 64, against all at rank 64; each pool holds
+    # exactly the real ranks
+    mixed_cell = Cell(make_layer([4 if s % 2 == 0 else 64 for s in range(SLOTS)], seed=1), 64, slots)
+    all64_cell = Cell(make_layer([64] * SLOTS, seed=2), 64, slots)
     mixed, all64 = float("inf"), float("inf")
     for _ in range(3 * args.repeats):  # interleaved, so load from other processes hits both alike
         mixed = min(mixed, timeit(mixed_cell.ours, 1))
@@ -195,6 +222,11 @@ def main() -> None:
           f"bandwidth (goal >= 50%)")
     print(f"ranks mixed 4/64 vs all 64 (64 tokens x 32 adapters): {mixed * 1e3:.2f} ms vs {all64 * 1e3:.2f} ms "
           f"= {mixed / all64:.2f}x (goal <= 0.65x)")
+    print(f"half the adapters attention-only (rank 0 in the MLP tables) vs all seven targets (64 tokens x 32 "
+          f"adapters, r = {RANK}): {half * 1e3:.2f} ms vs {full * 1e3:.2f} ms = {half / full:.2f}x "
+          f"(bytes {half_bytes_ratio:.2f}x)")
+    print(f"offsets aligned to 64 bytes vs unaligned (64 tokens x 32 adapters, r = {RANK}): {aligned * 1e3:.2f} ms "
+          f"vs {unaligned * 1e3:.2f} ms = {aligned / unaligned:.2f}x")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 

@@ -1,9 +1,13 @@
-"""Batched multi-LoRA kernels (SGMV): the low-rank term of many adapters in one call per projection.
+"""Batched multi-LoRA kernels (SGMV): the low-rank term of many adapters in one call per projection,
+reading each adapter's weights where the memory pool put them.
 
-Public surface: `LoraMapping.build`, `add_lora`, `lora_shrink`, `lora_expand`. Imports nothing of the
-project. (Hugging Face publishes an unrelated PyPI package also named `kernels`; never install it here.)
+Public surface: `LoraMapping.build` (token -> slot, once per step), `LoraTable.build` (where each slot's
+A and B of one projection lie in a flat weight buffer, once per adapter load/evict), `add_lora`,
+`lora_shrink`, `lora_expand`. Imports nothing of the project. (Hugging Face publishes an unrelated PyPI
+package also named `kernels`; never install it here.)
 """
 from .dispatch import add_lora, lora_expand, lora_shrink
 from .mapping import LoraMapping
+from .table import LoraTable
 
-__all__ = ["LoraMapping", "add_lora", "lora_expand", "lora_shrink"]
+__all__ = ["LoraMapping", "LoraTable", "add_lora", "lora_expand", "lora_shrink"]

@@ -26,10 +26,9 @@ _tried = False
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [
-    _i64, _p, _p, _p, _p,  # G, seg starts, lens, slots, ranks
+    _i64, _p, _p, _p, _p,  # G, seg starts, lens, slots, ranks (int32 [G] each)
     _p, _i64,  # x, row stride
-    _p, _i64, _i64,  # a_stack, slot stride, row stride
-    _p, _i64, _i64, _i64,  # b_stack, slot stride, column stride, rank stride
+    _p, _p, _p,  # flat weight buffer, A offsets, B offsets (int64 [S] element offsets)
     _p, _i64,  # out, row stride
     _p,  # scales
     _p, _i64,  # y scratch, row stride

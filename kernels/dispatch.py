@@ -1,13 +1,14 @@
 """The public LoRA ops: route CUDA tensors to Triton and CPU tensors to the CPU path.
 
+Weights are read where the memory pool put them: `buffer` is one layer's flat weight buffer (for the
+worker, pool[layer].view(-1)) and `table` says where each slot's A and B^T of this projection lie in it
+(kernels/table.py). One `LoraMapping` per step serves every projection of every layer; each call looks up
+the (mapping, table) plan it cached on first use, so the per-call overhead is a dict lookup and a few
+integer checks.
+
 Fused projections (q/k/v or gate/up) are the caller's job: call once per output slice, passing a column
 view of the fused output as `out` (every backend accepts a row stride; columns outside the view are not
 touched).
-
-`b_stack` is [S, d_out, r_max] by shape in either memory order. Allocate it rank-major
-(`torch.zeros(S, r_max, d_out).transpose(1, 2)`): the CPU expand then reads exactly rank x d_out floats
-per adapter, so a rank-4 adapter costs ~1/10 of a rank-64 one instead of ~1/3, and the Triton expand's
-loads along d_out are contiguous. A plain contiguous [S, d_out, r_max] works everywhere too.
 
 Forcing Triton on CPU tensors (`backend="triton"` or LORAFLEET_KERNELS_BACKEND=triton) only works under
 TRITON_INTERPRET=1; the tests use it to check the Triton kernels on a machine without a GPU.
@@ -19,7 +20,8 @@ import os
 import torch
 
 from . import cpu
-from .mapping import LoraMapping
+from .mapping import LoraMapping, SegmentPlan
+from .table import LoraTable
 
 _BACKENDS = ("auto", "triton", "cpu", "reference")
 
@@ -36,101 +38,124 @@ def _backend(x: torch.Tensor, backend: str | None) -> str:
     return choice
 
 
-def _check_shapes(x: torch.Tensor, stack: torch.Tensor, mapping: LoraMapping) -> None:
-    if x.dim() != 2 or x.shape[0] != mapping.num_tokens:
-        raise ValueError(f"x must be [T={mapping.num_tokens}, d], got {tuple(x.shape)}")
-    if stack.dim() != 3 or stack.shape[0] != mapping.slot_ranks.shape[0]:
-        raise ValueError(f"stack must be [S={mapping.slot_ranks.shape[0]}, ., .], got {tuple(stack.shape)}")
-    if mapping.max_rank > stack.shape[1]:
-        raise ValueError(f"a slot's rank {mapping.max_rank} exceeds the A stack's r_max {stack.shape[1]}")
+def _plan(buffer: torch.Tensor, table: LoraTable, mapping: LoraMapping) -> SegmentPlan:
+    """The checks every op shares, then the cached (mapping, table) plan."""
+    if buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError(f"buffer must be a flat contiguous tensor, got shape {tuple(buffer.shape)}")
+    if buffer.numel() < table.extent:
+        raise ValueError(f"the table reaches element {table.extent} of a buffer of {buffer.numel()}")
+    if table.num_slots != mapping.num_slots:
+        raise ValueError(f"the table has {table.num_slots} slots, the mapping {mapping.num_slots}")
+    return mapping.plan(table)
+
+
+def _check_x(x: torch.Tensor, buffer: torch.Tensor, table: LoraTable, mapping: LoraMapping) -> None:
+    if x.dim() != 2 or x.shape != (mapping.num_tokens, table.d_in):
+        raise ValueError(f"x must be [T={mapping.num_tokens}, d_in={table.d_in}], got {tuple(x.shape)}")
+    if buffer.dtype != x.dtype:
+        raise ValueError(f"buffer dtype {buffer.dtype} differs from x's {x.dtype}")
+
+
+def _check_out(out: torch.Tensor, table: LoraTable, mapping: LoraMapping, slot_scales: torch.Tensor) -> None:
+    if out.dim() != 2 or out.shape != (mapping.num_tokens, table.d_out):
+        raise ValueError(f"out must be [T={mapping.num_tokens}, d_out={table.d_out}], got {tuple(out.shape)}")
+    if slot_scales.shape != (table.num_slots,) or slot_scales.dtype != torch.float32:
+        raise ValueError(f"slot_scales must be float32 [S={table.num_slots}], got {slot_scales.dtype} "
+                         f"{tuple(slot_scales.shape)}")
 
 
 def add_lora(
-    out: torch.Tensor,  # [T, d_out], accumulated in place
+    out: torch.Tensor,  # [T, d_out], accumulated in place; may be a column view of a wider output
     x: torch.Tensor,  # [T, d_in]
-    a_stack: torch.Tensor,  # [S, r_max, d_in]
-    b_stack: torch.Tensor,  # [S, d_out, r_max]
+    buffer: torch.Tensor,  # 1-D contiguous, same dtype as x: A and B^T of every slot at the table's offsets
+    table: LoraTable,
     mapping: LoraMapping,
     slot_scales: torch.Tensor,  # float32 [S]
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """out[t] += scale[s] * B[s, :, :r] @ (A[s, :r] @ x[t]) for every token t with slot s != -1.
+    """out[t] += scale[s] * B_s @ (A_s @ x[t]) for every token t with slot s != -1 and table rank r_s > 0.
 
-    r is the slot's real rank (work is proportional to it, not to r_max). Tokens with slot -1 are left
-    untouched and cost nothing. Returns `out`.
+    Work is proportional to each slot's real rank; fp32 accumulation, rounded once into `out`. Tokens of
+    slot -1 or of a rank-0 slot are left untouched and cost nothing. Returns `out`.
     """
-    _check_shapes(x, a_stack, mapping)
-    if out.shape != (mapping.num_tokens, b_stack.shape[1]) or b_stack.shape[2] != a_stack.shape[1]:
-        raise ValueError(f"out must be [T, d_out={b_stack.shape[1]}] and B [S, d_out, r_max={a_stack.shape[1]}], "
-                         f"got out {tuple(out.shape)}, B {tuple(b_stack.shape)}")
-    if mapping.is_empty:
+    plan = _plan(buffer, table, mapping)
+    _check_x(x, buffer, table, mapping)
+    _check_out(out, table, mapping, slot_scales)
+    if plan.is_empty:
         return out
     which = _backend(x, backend)
     if which == "cpu":
-        return cpu.add_lora_cpu(out, x, a_stack, b_stack, mapping, slot_scales)
+        return cpu.add_lora_cpu(out, x, buffer, table, mapping, plan, slot_scales)
     if which == "reference":
         from .reference import add_lora_reference
 
-        return add_lora_reference(out, x, a_stack, b_stack, mapping, slot_scales)
+        return add_lora_reference(out, x, buffer, table, mapping, slot_scales)
     # straight to the launchers: the checks above already cover what lora_shrink/lora_expand would redo
     from .triton_expand import triton_expand
     from .triton_shrink import triton_shrink
 
-    y = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)  # [T, r_max]
-    return triton_expand(triton_shrink(x, a_stack, mapping, y), b_stack, mapping, out, slot_scales)
+    y = torch.zeros(x.shape[0], plan.max_rank, dtype=torch.float32, device=x.device)  # [T, largest rank in this step]
+    triton_shrink(x, buffer, table, mapping, plan, y)
+    return triton_expand(y, buffer, table, mapping, plan, out, slot_scales)
 
 
 def lora_shrink(
     x: torch.Tensor,  # [T, d_in]
-    a_stack: torch.Tensor,  # [S, r_max, d_in]
+    buffer: torch.Tensor,  # 1-D contiguous, same dtype as x
+    table: LoraTable,
     mapping: LoraMapping,
-    out: torch.Tensor | None = None,  # float32 [T, r_max]
+    out: torch.Tensor | None = None,  # float32 [T, table.max_rank]
     *,
     backend: str | None = None,
-) -> torch.Tensor:  # float32 [T, r_max]
-    """y[t, :r] = A[s, :r] @ x[t] in fp32; columns past a token's rank and tokens with slot -1 are 0."""
-    _check_shapes(x, a_stack, mapping)
-    y = out if out is not None else torch.empty(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
+) -> torch.Tensor:  # float32 [T, table.max_rank]
+    """y[t, :r_s] = A_s @ x[t] in fp32; columns >= r_s and tokens of slot -1 or rank 0 are 0."""
+    plan = _plan(buffer, table, mapping)
+    _check_x(x, buffer, table, mapping)
+    shape = (mapping.num_tokens, table.max_rank)
+    y = out if out is not None else torch.empty(shape, dtype=torch.float32, device=x.device)
+    if y.shape != shape or y.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {shape}, got {y.dtype} {tuple(y.shape)}")
     y.zero_()
-    if mapping.is_empty:
+    if plan.is_empty:
         return y
     which = _backend(x, backend)
     if which == "triton":
         from .triton_shrink import triton_shrink
 
-        return triton_shrink(x, a_stack, mapping, y)
+        return triton_shrink(x, buffer, table, mapping, plan, y)
     if which == "reference":
         from .reference import shrink_reference
 
-        y.copy_(shrink_reference(x, a_stack, mapping))
+        y.copy_(shrink_reference(x, buffer, table, mapping))
         return y
-    return cpu.lora_shrink_cpu(x, a_stack, mapping, y)
+    return cpu.lora_shrink_cpu(x, buffer, table, plan, y)
 
 
 def lora_expand(
-    y: torch.Tensor,  # [T, r_max] (fp32 from lora_shrink)
-    b_stack: torch.Tensor,  # [S, d_out, r_max]
+    y: torch.Tensor,  # [T, table.max_rank] (fp32 from lora_shrink)
+    buffer: torch.Tensor,  # 1-D contiguous
+    table: LoraTable,
     mapping: LoraMapping,
     out: torch.Tensor,  # [T, d_out], accumulated in place
     slot_scales: torch.Tensor,  # float32 [S]
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """out[t] += scale[s] * B[s, :, :r] @ y[t, :r]; tokens with slot -1 are untouched. Returns `out`."""
-    if out.shape != (mapping.num_tokens, b_stack.shape[1]):
-        raise ValueError(f"out must be [T, d_out={b_stack.shape[1]}], got {tuple(out.shape)}")
-    if mapping.max_rank > b_stack.shape[2]:
-        raise ValueError(f"a slot's rank {mapping.max_rank} exceeds the B stack's r_max {b_stack.shape[2]}")
-    if mapping.is_empty:
+    """out[t] += scale[s] * B_s @ y[t, :r_s]; tokens of slot -1 or rank 0 are untouched. Returns `out`."""
+    plan = _plan(buffer, table, mapping)
+    _check_out(out, table, mapping, slot_scales)
+    if y.dim() != 2 or y.shape[0] != mapping.num_tokens or y.shape[1] < plan.max_rank:
+        raise ValueError(f"y must be [T={mapping.num_tokens}, >= {plan.max_rank}], got {tuple(y.shape)}")
+    if plan.is_empty:
         return out
     which = _backend(y, backend)
     if which == "triton":
         from .triton_expand import triton_expand
 
-        return triton_expand(y, b_stack, mapping, out, slot_scales)
+        return triton_expand(y.float(), buffer, table, mapping, plan, out, slot_scales)
     if which == "reference":
         from .reference import expand_reference
 
-        return expand_reference(y, b_stack, mapping, out, slot_scales)
-    return cpu.lora_expand_cpu(y, b_stack, mapping, out, slot_scales)
+        return expand_reference(y, buffer, table, mapping, out, slot_scales)
+    return cpu.lora_expand_cpu(y, buffer, table, plan, out, slot_scales)

@@ -1,8 +1,13 @@
-"""SGMV expand in Triton: out[t] += scale[slot] * B[slot(t), :, :r] @ y[t, :r] for every active segment.
+"""SGMV expand in Triton: out[t] += scale[slot] * B_slot(t) @ y[t, :r] for every segment with weights.
+
+B_s is read where the pool put it: stored rank-major as the [r_s, d_out] block (B^T) at w + b_offsets[s]
+of the flat weight buffer, so each rank row is a contiguous run of output columns and loads along d_out
+are coalesced.
 
 The reduction is over the short rank axis and the parallelism is over d_out, so no split-K is needed:
 each (token block, d_out block) of a segment belongs to exactly one program, which loads `out`, adds its
-fp32 sum and stores it back. The rank loop stops at the slot's real rank.
+fp32 sum and stores it back. The rank loop stops at the slot's real rank (read from the table); the
+programs of a rank-0 slot return before touching `out`.
 """
 from __future__ import annotations
 
@@ -10,26 +15,28 @@ import torch
 import triton
 import triton.language as tl
 
-from .mapping import LoraMapping
+from .mapping import LoraMapping, SegmentPlan
+from .table import LoraTable
 
 
 @triton.jit
 def _expand_kernel(
-    y_ptr,  # [T, r_max] fp32 (from the shrink)
-    b_ptr,  # [S, d_out, r_max]
+    y_ptr,  # [T, >= max rank] fp32 (from the shrink)
+    w_ptr,  # flat weight buffer
     out_ptr,  # [T, d_out], accumulated in place
     scales_ptr,  # [S] fp32
+    b_offsets_ptr,  # [S] int64, element offset of each slot's B^T ([r_s, d_out] row-major) in w
+    ranks_ptr,  # [S] int32, real rank of each slot in this table (0 = no weights)
     seg_starts_ptr,  # [G] int32
     seg_lens_ptr,  # [G] int32
     seg_slots_ptr,  # [G] int32
-    seg_ranks_ptr,  # [G] int32
-    d_out,  # output width
+    d_out,  # output width, also B^T's row stride
     stride_ym, stride_yr,  # strides of y
-    stride_bs, stride_bn, stride_br,  # strides of b_stack
     stride_om, stride_on,  # strides of out (a column view of a fused output is fine)
     BLOCK_M: tl.constexpr,  # tokens per program
     BLOCK_N: tl.constexpr,  # output columns per program
     BLOCK_R: tl.constexpr,  # rank elements per inner tile
+    ALIGN: tl.constexpr,  # every B offset is a multiple of ALIGN elements (vector loads when > 1)
     FP32_IEEE: tl.constexpr,  # fp32 weights: exact fp32 dot instead of tf32
     UPCAST_DOT: tl.constexpr,  # interpreter only: its numpy tl.dot garbles bf16, so dot in fp32
 ):
@@ -41,17 +48,21 @@ def _expand_kernel(
     seg_len = tl.load(seg_lens_ptr + seg)
     if pid_m * BLOCK_M >= seg_len:  # the grid is sized by the longest segment
         return
+    slot = tl.load(seg_slots_ptr + seg)
+    rank = tl.load(ranks_ptr + slot)
+    if rank == 0:  # no weights here: out stays bit for bit
+        return
     seg_start = tl.load(seg_starts_ptr + seg)
-    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-    rank = tl.load(seg_ranks_ptr + seg)
     scale = tl.load(scales_ptr + slot)
+    b_off = tl.load(b_offsets_ptr + slot)  # int64: pools may exceed 2^31 elements
+    b_off = (b_off // ALIGN) * ALIGN  # exact (checked by the launcher); tells the compiler the alignment
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < seg_len
     n_mask = offs_n < d_out
     rows = (seg_start + offs_m).to(tl.int64)
-    b_slot = b_ptr + slot * stride_bs
+    b_slot = w_ptr + b_off
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):  # work stops at the real rank
@@ -63,7 +74,7 @@ def _expand_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_R] fp32
         b = tl.load(
-            b_slot + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+            b_slot + offs_r[:, None] * d_out + offs_n[None, :],  # B^T_s[r, n]
             mask=n_mask[None, :] & r_mask[:, None],
             other=0.0,
         )  # [BLOCK_R, BLOCK_N]
@@ -82,36 +93,42 @@ def _expand_kernel(
 
 
 def triton_expand(
-    y: torch.Tensor,  # [T, r_max] fp32
-    b_stack: torch.Tensor,  # [S, d_out, r_max]
+    y: torch.Tensor,  # [T, >= table.max_rank] fp32
+    buffer: torch.Tensor,  # 1-D contiguous
+    table: LoraTable,
     mapping: LoraMapping,
+    plan: SegmentPlan,  # mapping.plan(table)
     out: torch.Tensor,  # [T, d_out], accumulated in place
     slot_scales: torch.Tensor,  # [S] fp32
 ) -> torch.Tensor:
     assert y.dtype == torch.float32, "y is the fp32 output of the shrink"
-    assert b_stack.dtype in (torch.float32, torch.float16, torch.bfloat16), b_stack.dtype
+    assert buffer.dtype in (torch.float32, torch.float16, torch.bfloat16), buffer.dtype
+    assert buffer.dim() == 1 and buffer.is_contiguous(), "the weight buffer is flat"
     assert out.dtype in (torch.float32, torch.float16, torch.bfloat16), out.dtype
     assert slot_scales.dtype == torch.float32 and slot_scales.is_contiguous()
-    assert y.device == b_stack.device == out.device == slot_scales.device == mapping.seg_starts.device
-    assert mapping.max_rank <= b_stack.shape[2] <= y.shape[1]
-    if mapping.is_empty:
+    assert y.device == buffer.device == out.device == slot_scales.device == table.b_offsets.device
+    assert mapping.seg_starts.device == y.device
+    assert plan.max_rank <= y.shape[1]
+    if plan.is_empty:
         return out
     d_out = out.shape[1]
     BLOCK_M = 16  # tl.dot's smallest tile
     BLOCK_N = 128 if d_out >= 128 else 32
     BLOCK_R = 16
     num_n = triton.cdiv(d_out, BLOCK_N)
-    # grid: (token blocks of the longest segment x d_out blocks, active segments)
-    grid = (triton.cdiv(mapping.max_seg_len, BLOCK_M) * num_n, mapping.num_segments)
+    align = table.alignment(buffer.element_size()) if buffer.data_ptr() % 16 == 0 else 1
+    # grid: (token blocks of the longest segment with weights x d_out blocks, every segment of the step;
+    # those of rank-0 slots return at once)
+    grid = (triton.cdiv(plan.max_seg_len, BLOCK_M) * num_n, mapping.num_segments)
     _expand_kernel[grid](
-        y, b_stack, out, slot_scales,
-        mapping.seg_starts, mapping.seg_lens, mapping.seg_slots, mapping.seg_ranks,
+        y, buffer, out, slot_scales,
+        table.b_offsets, table.ranks,
+        mapping.seg_starts, mapping.seg_lens, mapping.seg_slots,
         d_out,
         y.stride(0), y.stride(1),
-        b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
         out.stride(0), out.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
-        FP32_IEEE=b_stack.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, ALIGN=align,
+        FP32_IEEE=buffer.dtype == torch.float32,
         UPCAST_DOT=out.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET=1
     )
     return out

@@ -1,24 +1,21 @@
-/* SGMV on CPU, fp32: out[t] += scale[slot] * B[slot, :, :r] @ (A[slot, :r, :] @ x[t]) per active segment.
+/* SGMV on CPU, fp32: out[t] += scale[slot] * B_slot @ (A_slot @ x[t]) per active segment, reading each
+ * slot's weights where the memory pool put them.
  *
  * Built by kernels/cpu_native.py with gcc -O3 -march=native -ffast-math and called through ctypes, so
- * one call covers every segment of a projection (no Python per segment). Per segment:
- *   shrink: y[t, j] = A[slot, j, :] . x[t]                for the segment's tokens, j < rank
- *   expand: out[t, n] += scale * sum_j y[t, j] * B[n, j]  (gathers for small ranks, row dots above)
- * Work and memory traffic are proportional to each slot's real rank; tokens without adapter never appear.
+ * one call covers every segment of a projection (no Python per segment). Weights live in one flat fp32
+ * buffer: A of slot s is the row-major [r, d_in] block at w + a_offs[s], B of slot s is stored rank-major
+ * ([r, d_out], i.e. B^T) at w + b_offs[s]; offsets are int64 elements and need no alignment. Per segment:
+ *   shrink: y[t, j] = A[j, :] . x[t]                     for the segment's tokens, j < rank
+ *   expand: out[t, :] += scale * sum_j y[t, j] * B^T[j, :] (rank axpys over contiguous rows)
+ * Work and memory traffic are proportional to each slot's real rank; tokens without weights never appear.
  */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 #define TB 4          /* tokens per register block */
-#define PREFETCH_ROWS 8  /* B rows read ahead in the expand */
-#define GATHER_PREFETCH 32  /* B rows prefetched ahead by the gather expand */
-#define GATHER_MAX_RANK 8  /* expand ranks up to this by column gathers; measured faster than rows up to 8 */
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -52,109 +49,9 @@ static void shrink_unit(const float *x, int64_t sx, const float *arows, int64_t 
     }
 }
 
-/* Columns n0..n1 of out for the segment's tokens: one dot product over the real rank per (token, column),
- * B rows read once per block of TB tokens. Rows of B are r_max apart, so for a small rank the reads are
- * strided: prefetch a few rows ahead, since the hardware prefetcher does not follow that stride well. */
-__attribute__((unused))  /* the fallback where AVX-512 is missing */
-static void expand_unit(const float *y, int64_t sy, const float *b, int64_t sbn, int rank,
-                        float *out, int64_t so, int64_t len, int64_t ncols, float scale) {
-    for (int64_t t0 = 0; t0 < len; t0 += TB) {
-        int nt = (int)min64(TB, len - t0);
-        const float *y0 = y + t0 * sy;
-        const float *y1 = y0 + (nt > 1 ? sy : 0);
-        const float *y2 = y0 + (nt > 2 ? 2 * sy : 0);
-        const float *y3 = y0 + (nt > 3 ? 3 * sy : 0);
-        float *o0 = out + t0 * so;
-        float *o1 = o0 + (nt > 1 ? so : 0);
-        float *o2 = o0 + (nt > 2 ? 2 * so : 0);
-        float *o3 = o0 + (nt > 3 ? 3 * so : 0);
-        for (int64_t n = 0; n < ncols; n++) {
-            const float *br = b + n * sbn;
-            __builtin_prefetch(br + PREFETCH_ROWS * sbn);
-            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-            if (nt == 1) {
-                #pragma omp simd reduction(+:s0)
-                for (int j = 0; j < rank; j++) s0 += br[j] * y0[j];
-                o0[n] += scale * s0;
-            } else if (nt == 2) {
-                #pragma omp simd reduction(+:s0,s1)
-                for (int j = 0; j < rank; j++) { s0 += br[j] * y0[j]; s1 += br[j] * y1[j]; }
-                o0[n] += scale * s0; o1[n] += scale * s1;
-            } else {
-                #pragma omp simd reduction(+:s0,s1,s2,s3)
-                for (int j = 0; j < rank; j++) {
-                    float bv = br[j];
-                    s0 += bv * y0[j]; s1 += bv * y1[j]; s2 += bv * y2[j]; s3 += bv * y3[j];
-                }
-                /* nt == 3 points o3 at o0 with y3 = y0: write o3 first so o0's real sum wins */
-                o3[n] += (nt > 3 ? scale * s3 : 0.f);
-                o2[n] += (nt > 2 ? scale * s2 : 0.f);
-                o1[n] += scale * s1; o0[n] += scale * s0;
-            }
-        }
-    }
-}
-
-#ifdef __AVX512F__
-/* Small ranks: a per-column dot over a few elements is all overhead (horizontal sums), so gather
- * 16 columns' B[n, j] at a time and accumulate 16 outputs per FMA: work ~ rank x columns / 16. */
-static void expand_unit_gather(const float *y, int64_t sy, const float *b, int64_t sbn, int rank,
-                               float *out, int64_t so, int64_t len, int64_t ncols, float scale) {
-    const __m512i idx = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)sbn));
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t t0 = 0; t0 < len; t0 += TB) {
-        int nt = (int)min64(TB, len - t0);
-        for (int64_t n0 = 0; n0 < ncols; n0 += 16) {
-            int nn = (int)min64(16, ncols - n0);
-            __mmask16 m = (__mmask16)((1u << nn) - 1u);
-            const float *bb = b + n0 * sbn;
-            for (int i = 0; i < 16; i++)  /* rows two blocks ahead: strided rows defeat the hw prefetcher */
-                _mm_prefetch((const char *)(bb + (GATHER_PREFETCH + i) * sbn), _MM_HINT_T0);
-            __m512 acc[TB];
-            for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();
-            for (int j = 0; j < rank; j++) {
-                __m512 col = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, bb + j, 4);
-                for (int t = 0; t < TB; t++)
-                    if (t < nt) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(y[(t0 + t) * sy + j]), col, acc[t]);
-            }
-            for (int t = 0; t < nt; t++) {
-                float *o = out + (t0 + t) * so + n0;
-                _mm512_mask_storeu_ps(o, m, _mm512_fmadd_ps(vscale, acc[t], _mm512_maskz_loadu_ps(m, o)));
-            }
-        }
-    }
-}
-
-/* Larger ranks: B rows are long enough to stream; one masked FMA per 16 rank elements and token, then
- * one horizontal sum per (token, column). Every line of the row is prefetched a few rows ahead. */
-static void expand_unit_rows(const float *y, int64_t sy, const float *b, int64_t sbn, int rank,
-                             float *out, int64_t so, int64_t len, int64_t ncols, float scale) {
-    const int nchunks = (rank + 15) / 16;
-    const __mmask16 last = (rank % 16) ? (__mmask16)((1u << (rank % 16)) - 1u) : (__mmask16)0xFFFF;
-    for (int64_t t0 = 0; t0 < len; t0 += TB) {
-        int nt = (int)min64(TB, len - t0);
-        for (int64_t n = 0; n < ncols; n++) {
-            const float *br = b + n * sbn;
-            for (int c = 0; c < rank; c += 16)
-                _mm_prefetch((const char *)(br + PREFETCH_ROWS * sbn + c), _MM_HINT_T0);
-            __m512 s[TB];
-            for (int t = 0; t < TB; t++) s[t] = _mm512_setzero_ps();
-            for (int c = 0; c < nchunks; c++) {
-                __mmask16 m = (c == nchunks - 1) ? last : (__mmask16)0xFFFF;
-                __m512 bv = _mm512_maskz_loadu_ps(m, br + 16 * c);
-                for (int t = 0; t < TB; t++)
-                    if (t < nt) s[t] = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(m, y + (t0 + t) * sy + 16 * c), s[t]);
-            }
-            for (int t = 0; t < nt; t++) out[(t0 + t) * so + n] += scale * _mm512_reduce_add_ps(s[t]);
-        }
-    }
-}
-#endif
-
-/* B stored rank-major ([S, r_max, d_out] memory, passed as a transposed view): each rank row of B is a
- * contiguous run of output columns, so the expand is a sum of rank axpys streaming exactly rank x
- * columns floats, whatever r_max is. The layout the CPU path prefers (see kernels/cpu.py). Tiles are
+/* B stored rank-major ([r, d_out] rows of B^T): each rank row of B is a contiguous run of output
+ * columns, so the expand is a sum of rank axpys streaming exactly rank x d_out floats (measured against
+ * a column-major B: 0.6 vs 1.6 ms at r = 4, the layout that keeps mixed ranks proportional). Tiles are
  * wide (1 KB per rank row) because each rank row is its own stream: 64-column tiles of a rank-64 adapter
  * were 64 concurrent 256-byte streams, which the prefetchers did not follow (measured 2x slower). */
 #define NB 256  /* output columns per tile: TB x NB fp32 accumulators (4 KB) stay in L1 */
@@ -203,31 +100,20 @@ static void expand_unit_rank_major(const float *y, int64_t sy, const float *b, i
 
 typedef struct {
     const int32_t *starts, *lens, *slots, *ranks;
-    const float *x, *a, *b, *scales;
+    const float *x, *w, *scales;
+    const int64_t *a_offs, *b_offs;
     float *out, *y;
-    int64_t sx, sas, sar, sbs, sbn, sbr, so, sy, d_in, d_out;
+    int64_t sx, so, sy, d_in, d_out;
 } sgmv_args;
 
 /* One segment: its shrink into y, then its expand into out. */
 static void run_segment(const sgmv_args *p, int64_t g) {
-    float *y = p->y + (int64_t)p->starts[g] * p->sy;  /* [len, r_max] scratch rows of this segment */
-    const float *b = p->b + (int64_t)p->slots[g] * p->sbs;
-    float *out = p->out + (int64_t)p->starts[g] * p->so;
-    float scale = p->scales[p->slots[g]];
-    shrink_unit(p->x + (int64_t)p->starts[g] * p->sx, p->sx, p->a + (int64_t)p->slots[g] * p->sas, p->sar,
-                p->ranks[g], y, p->sy, p->lens[g], p->d_in);
-    if (p->sbr != 1) {  /* rank-major B: rows of the rank axis are contiguous columns */
-        expand_unit_rank_major(y, p->sy, b, p->sbr, p->ranks[g], out, p->so, p->lens[g], p->d_out, scale);
-        return;
-    }
-#ifdef __AVX512F__
-    if (p->ranks[g] <= GATHER_MAX_RANK)
-        expand_unit_gather(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], p->d_out, scale);
-    else
-        expand_unit_rows(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], p->d_out, scale);
-#else
-    expand_unit(y, p->sy, b, p->sbn, p->ranks[g], out, p->so, p->lens[g], p->d_out, scale);
-#endif
+    const int64_t slot = p->slots[g], start = p->starts[g], len = p->lens[g];
+    const int rank = p->ranks[g];
+    float *y = p->y + start * p->sy;  /* [len, >= rank] scratch rows of this segment */
+    shrink_unit(p->x + start * p->sx, p->sx, p->w + p->a_offs[slot], p->d_in, rank, y, p->sy, len, p->d_in);
+    expand_unit_rank_major(y, p->sy, p->w + p->b_offs[slot], p->d_out, rank, p->out + start * p->so, p->so, len,
+                           p->d_out, p->scales[slot]);
 }
 
 /* ---- helper threads -------------------------------------------------------------------------------
@@ -295,16 +181,14 @@ static void ensure_helpers(int wanted) {
     pthread_mutex_unlock(&pool_mu);
 }
 
-/* y: scratch [T, sy] fp32. One unit of work is a whole segment (its shrink then its expand), so units
- * never wait on each other. nthreads <= 1 runs on the calling thread only. */
+/* y: scratch [T, sy] fp32, sy >= every rank. w: the flat weight buffer; a_offs, b_offs: int64 [S] element
+ * offsets of each slot's A and B^T in it. One unit of work is a whole segment (its shrink then its
+ * expand), so units never wait on each other. nthreads <= 1 runs on the calling thread only. */
 void sgmv_add_f32(int64_t G, const int32_t *starts, const int32_t *lens, const int32_t *slots,
-                  const int32_t *ranks, const float *x, int64_t sx, const float *a, int64_t sas,
-                  int64_t sar, const float *b, int64_t sbs, int64_t sbn, int64_t sbr, float *out,
-                  int64_t so, const float *scales, float *y, int64_t sy, int64_t d_in, int64_t d_out,
-                  int nthreads) {
-    /* B strides: sbs per slot, sbn per output column, sbr per rank element; exactly one of sbn, sbr is 1 */
-    sgmv_args p = {starts, lens, slots, ranks, x, a, b, scales, out, y,
-                   sx, sas, sar, sbs, sbn, sbr, so, sy, d_in, d_out};
+                  const int32_t *ranks, const float *x, int64_t sx, const float *w, const int64_t *a_offs,
+                  const int64_t *b_offs, float *out, int64_t so, const float *scales, float *y, int64_t sy,
+                  int64_t d_in, int64_t d_out, int nthreads) {
+    sgmv_args p = {starts, lens, slots, ranks, x, w, scales, a_offs, b_offs, out, y, sx, so, sy, d_in, d_out};
     if (nthreads <= 1 || G <= 1) {
         for (int64_t g = 0; g < G; g++) run_segment(&p, g);
         return;
