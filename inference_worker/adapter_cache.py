@@ -1,17 +1,25 @@
-"""Adapters on their way from storage to a device slot: verify, parse, keep hot, pin while in use.
+"""Adapters on their way from storage to the device pool: verify, parse, keep hot, pin while in use.
 
     loader(storage_key) -> a buffer   (injected: bytes from any storage, or `map_file` for a local file)
       -> sha256 == job's AdapterRef.sha256, else `adapter_integrity_error` (never served)
       -> safetensors header checked (adapters.safetensors_check), tensors viewed in place (never pickle)
       -> names and shapes checked against the base model's projections
-      -> host LRU, bounded in bytes                 (keyed by sha256: a rolled-back version still cached is free)
-      -> device slot, bounded in count              (runner.load_adapter_into_slot)
+      -> host LRU, bounded in bytes
+      -> pages of the device memory pool, as many as its real rank and targets need (runner.load_adapter)
+
+Everything is keyed by the adapter's *identity* (AdapterRef.identity: the weights' sha256 and the config
+that scales and places them), never by the weights' hash alone: two versions with the same bytes and
+another lora_alpha are two entries, so one tenant's config can never change another's answers.
+
+Residency (S-LoRA's unified pool): an adapter used by an in-flight sequence is pinned and never evicted.
+Idle adapters stay resident while pages are free and are evicted, least recently used first, when a cold
+adapter needs room (`acquire`) or the KV cache needs pages to admit a request (`reclaim`). When pinned
+adapters and KV blocks leave no room, `acquire` answers NO_ROOM and the engine keeps the request waiting.
 
 Threading: cold loads (read, hash, parse, check) run on a small loader pool so a slow storage read never
-stalls the engine's step loop. Everything that touches the runner (placing an adapter into a slot) runs on
+stalls the engine's step loop. Everything that touches the runner (placing an adapter into pages) runs on
 the thread that calls `acquire`, i.e. the engine thread, between forward passes. Concurrent requests for
-one cold adapter share one load. An adapter pinned by a running sequence is never evicted from its slot;
-when every slot is pinned, `acquire` answers NO_SLOT and the engine keeps the request waiting.
+one cold adapter share one load.
 """
 from __future__ import annotations
 
@@ -31,10 +39,11 @@ import torch
 
 from adapters.safetensors_check import SafetensorsError, read_layout  # Django-free, torch-free
 
-from .jobs import ADAPTER_INTEGRITY_ERROR, ADAPTER_LOAD_FAILED, AdapterRef
+from protocol.lora_layout import BLOCK_OF as _BLOCK_OF
+from protocol.lora_layout import ModelShape
 
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_BLOCK_OF = {m: ("self_attn" if m in TARGET_MODULES[:4] else "mlp") for m in TARGET_MODULES}
+from .jobs import ADAPTER_INTEGRITY_ERROR, ADAPTER_LOAD_FAILED, AdapterRef
+from .lora import NoRoom
 _PEFT_NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_(A|B)\.weight$"
@@ -112,32 +121,14 @@ class LoraShapes:
 
     @classmethod
     def from_config(cls, config) -> "LoraShapes":
-        """From the runner's config (HF names); the same arithmetic as adapters.manifest."""
-
-        def get(*names, default=None):
-            for n in names:
-                v = config.get(n) if isinstance(config, dict) else getattr(config, n, None)
-                if v is not None:
-                    return v
-            return default
-
-        hidden = int(get("hidden_size"))
-        heads = int(get("num_attention_heads", "num_heads"))
-        kv_heads = int(get("num_key_value_heads", "num_kv_heads", default=heads))
-        head_dim = int(get("head_dim", default=hidden // heads))
-        inter = int(get("intermediate_size"))
-        q, kv = heads * head_dim, kv_heads * head_dim
-        return cls(
-            num_layers=int(get("num_hidden_layers", "num_layers")),
-            modules={
-                "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-                "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
-            },
-        )
+        """From the runner's config or a Hugging Face config dict (protocol.lora_layout's arithmetic)."""
+        shape = ModelShape.from_config(config)
+        return cls(num_layers=shape.num_layers, modules=shape.projections())
 
 
 @dataclass
 class HostAdapter:
+    identity: str
     sha256: str
     weights: dict[str, torch.Tensor]  # PEFT names -> lora_A [r, in] / lora_B [out, r]
     nbytes: int
@@ -178,7 +169,8 @@ def check_adapter_weights(weights: dict[str, torch.Tensor], ref: AdapterRef, sha
 
 
 # acquire() answers
-READY, LOADING, NO_SLOT, FAILED = "ready", "loading", "no_slot", "failed"
+READY, LOADING, NO_ROOM, FAILED = "ready", "loading", "no_room", "failed"
+NO_SLOT = NO_ROOM  # the name before the unified pool
 
 
 @dataclass
@@ -196,7 +188,6 @@ class AdapterCache:
         loader: Callable[[str], bytes],
         *,
         host_cache_bytes: int = 2 << 30,
-        num_slots: int | None = None,
         max_rank: int | None = None,
         shapes: LoraShapes | None = None,
         loader_threads: int = 2,
@@ -205,85 +196,99 @@ class AdapterCache:
         self.runner = runner
         self.loader = loader
         self.host_cache_bytes = int(host_cache_bytes)
-        self.num_slots = int(num_slots if num_slots is not None else getattr(runner, "max_lora_slots"))
         self.max_rank = int(max_rank if max_rank is not None else getattr(runner, "max_lora_rank", 64))
         self.shapes = shapes if shapes is not None else LoraShapes.from_config(runner.config)
         self.on_loaded = on_loaded or (lambda: None)  # wakes the engine when a load ends
         self._pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="adapter-load")
         self._hash_pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="adapter-hash")
         self._lock = threading.RLock()  # a load may finish (and call back) before add_done_callback returns
-        self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # LRU order: oldest first
+        self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # identity -> parsed weights, LRU first
         self._host_bytes = 0
         self._inflight: dict[str, Future] = {}
-        self._waiters: dict[str, set[Hashable]] = {}  # sha -> waiters not yet given a slot
+        self._waiters: dict[str, set[Hashable]] = {}  # identity -> waiters not yet placed
         self._failed: dict[Hashable, AdapterLoadError] = {}  # waiter -> the failure it must report
-        self._slot_sha: list[str | None] = [None] * self.num_slots
-        self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident shas, least recently used first
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident identities, least recently used first
         self._pins: dict[str, int] = {}
+        self._sha_of: dict[str, str] = {}  # identity -> weights sha256, for worker_status
         self.counters = {
-            "hits": 0, "cold_loads": 0, "load_failures": 0, "host_evictions": 0, "slot_evictions": 0,
-            "load_seconds": 0.0, "slot_load_seconds": 0.0,
+            "hits": 0, "cold_loads": 0, "load_failures": 0, "host_evictions": 0, "evictions": 0,
+            "device_loads": 0, "load_seconds": 0.0, "device_load_seconds": 0.0,
         }
 
     # ---- engine-thread API -------------------------------------------------------------------
 
+    def pages_for(self, ref: AdapterRef) -> int:
+        """Pool pages `ref` will take once resident (known from its config, before it is loaded)."""
+        return self.runner.lora.pages_for(ref.rank, ref.target_modules)
+
     def acquire(self, ref: AdapterRef, waiter: Hashable) -> Acquired:
-        """Pins `ref` in a device slot and returns it, or says why not yet. Non-blocking; call again
-        on a later step while LOADING / NO_SLOT. A FAILED answer is given once per waiter."""
-        sha = ref.sha256
+        """Pins `ref` in the device pool and returns its slot, or says why not yet. Non-blocking; call
+        again on a later step while LOADING / NO_ROOM. A FAILED answer is given once per waiter."""
+        key = ref.identity
         with self._lock:
             err = self._failed.pop(waiter, None)
             if err is not None:
                 return Acquired(FAILED, error_code=err.code, error_message=err.message)
-            slot = self._slot_of.get(sha)
+            slot = self._slot_of.get(key)
             if slot is not None:
-                return self._pin(sha, slot, waiter)
-            host = self._host.get(sha)
+                return self._pin(key, slot, waiter)
+            host = self._host.get(key)
             if host is None:
-                self._waiters.setdefault(sha, set()).add(waiter)
-                if sha not in self._inflight:
+                self._waiters.setdefault(key, set()).add(waiter)
+                if key not in self._inflight:
                     self.counters["cold_loads"] += 1
                     fut = self._pool.submit(self._load, ref)
-                    self._inflight[sha] = fut
+                    self._inflight[key] = fut
                     fut.add_done_callback(lambda f, ref=ref: self._finish_load(ref, f))
                 return Acquired(LOADING)
-            slot = self._free_slot()
+            slot = self._place(host)
             if slot is None:
-                self._waiters.setdefault(sha, set()).add(waiter)  # keeps the host copy from eviction
-                return Acquired(NO_SLOT)
-            self._host.move_to_end(sha)
-            t0 = time.perf_counter()
-            self.runner.load_adapter_into_slot(slot, host.weights, rank=host.rank, scale=host.scale)
-            self.counters["slot_load_seconds"] += time.perf_counter() - t0
-            self._slot_sha[slot] = sha
-            self._slot_of[sha] = slot
-            return self._pin(sha, slot, waiter)
+                self._waiters.setdefault(key, set()).add(waiter)  # keeps the host copy from eviction
+                return Acquired(NO_ROOM)
+            return self._pin(key, slot, waiter)
 
-    def release(self, sha: str) -> None:
-        """A sequence using `sha` finished: it may be evicted once no other sequence uses it."""
+    def release(self, identity: str) -> None:
+        """A sequence using `identity` finished: it may be evicted once no other sequence uses it."""
         with self._lock:
-            n = self._pins.get(sha, 0) - 1
+            n = self._pins.get(identity, 0) - 1
             if n <= 0:
-                self._pins.pop(sha, None)
+                self._pins.pop(identity, None)
             else:
-                self._pins[sha] = n
+                self._pins[identity] = n
+
+    def reclaim(self, pages: int) -> bool:
+        """Evict idle resident adapters (least recently used first) until `pages` pages are free; True when
+        they are. Pinned adapters are never evicted."""
+        pool = self.runner.pool
+        with self._lock:
+            for key in list(self._slot_of):
+                if pool.num_free >= pages:
+                    break
+                if self._pins.get(key, 0) == 0:
+                    self._evict(key)
+            return pool.num_free >= pages
 
     def forget(self, waiter: Hashable) -> None:
         """A waiting request went away (cancelled): drop what the cache held for it."""
         with self._lock:
             self._failed.pop(waiter, None)
-            for sha, ws in list(self._waiters.items()):
+            for key, ws in list(self._waiters.items()):
                 ws.discard(waiter)
                 if not ws:
-                    del self._waiters[sha]
+                    del self._waiters[key]
             self._evict_host()
 
     # ---- inspection --------------------------------------------------------------------------
 
     def resident(self) -> list[str]:
-        """sha256 of the adapters now in device slots."""
+        """Identities of the adapters now in the device pool."""
         with self._lock:
             return list(self._slot_of)
+
+    def resident_sha256(self) -> dict[str, str]:
+        """identity -> weights sha256 of the resident adapters."""
+        with self._lock:
+            return {k: self._sha_of.get(k, "") for k in self._slot_of}
 
     def host_resident(self) -> list[str]:
         with self._lock:
@@ -309,29 +314,42 @@ class AdapterCache:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _pin(self, sha: str, slot: int, waiter: Hashable) -> Acquired:
-        ws = self._waiters.get(sha)
+    def _pin(self, key: str, slot: int, waiter: Hashable) -> Acquired:
+        ws = self._waiters.get(key)
         if ws is not None and waiter in ws:
             ws.discard(waiter)
             if not ws:
-                del self._waiters[sha]
+                del self._waiters[key]
         else:
             self.counters["hits"] += 1
-        self._pins[sha] = self._pins.get(sha, 0) + 1
-        self._slot_of.move_to_end(sha)
+        self._pins[key] = self._pins.get(key, 0) + 1
+        self._slot_of.move_to_end(key)
         return Acquired(READY, slot=slot)
 
-    def _free_slot(self) -> int | None:
-        for slot, sha in enumerate(self._slot_sha):
-            if sha is None:
-                return slot
-        for sha, slot in self._slot_of.items():  # least recently used first
-            if self._pins.get(sha, 0) == 0:
-                del self._slot_of[sha]
-                self._slot_sha[slot] = None
-                self.counters["slot_evictions"] += 1
-                return slot
-        return None
+    def _evict(self, key: str) -> None:
+        slot = self._slot_of.pop(key)
+        self._sha_of.pop(key, None)
+        self.runner.unload_adapter(slot)
+        self.counters["evictions"] += 1
+
+    def _place(self, host: HostAdapter) -> int | None:
+        """Into the pool, evicting idle adapters (LRU) until a run of pages fits; None when it cannot now."""
+        self._host.move_to_end(host.identity)
+        idle = [k for k in self._slot_of if self._pins.get(k, 0) == 0]
+        while True:
+            t0 = time.perf_counter()
+            try:
+                slot = self.runner.load_adapter(host.weights, rank=host.rank, scale=host.scale, key=host.identity)
+            except NoRoom:
+                if not idle:
+                    return None
+                self._evict(idle.pop(0))
+                continue
+            self.counters["device_loads"] += 1
+            self.counters["device_load_seconds"] += time.perf_counter() - t0
+            self._slot_of[host.identity] = slot
+            self._sha_of[host.identity] = host.sha256
+            return slot
 
     def _load(self, ref: AdapterRef) -> HostAdapter:
         """Loader thread: read, verify, parse, check. The hash runs beside the parse; the parse only reads
@@ -355,42 +373,42 @@ class AdapterCache:
         if parse_error is not None:
             raise AdapterLoadError(ADAPTER_LOAD_FAILED, f"blob {ref.storage_key!r} is not valid safetensors: {parse_error}")
         check_adapter_weights(weights, ref, self.shapes, self.max_rank)
-        # Kept in the blob's dtype, as views of the blob: the slot copy converts as it copies, which
+        # Kept in the blob's dtype, as views of the blob: the pool copy converts as it copies, which
         # measured faster than converting here first (a bf16 -> fp32 copy reads half the bytes of fp32).
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        return HostAdapter(sha256=ref.sha256, weights=weights, nbytes=nbytes, rank=ref.rank, scale=ref.scale,
-                           load_seconds=time.perf_counter() - t0)
+        return HostAdapter(identity=ref.identity, sha256=ref.sha256, weights=weights, nbytes=nbytes, rank=ref.rank,
+                           scale=ref.scale, load_seconds=time.perf_counter() - t0)
 
     def _finish_load(self, ref: AdapterRef, fut: Future) -> None:
-        sha = ref.sha256
+        key = ref.identity
         with self._lock:
-            self._inflight.pop(sha, None)
+            self._inflight.pop(key, None)
             if fut.cancelled():
                 return
             exc = fut.exception()
             if exc is None:
                 host = fut.result()
                 self.counters["load_seconds"] += host.load_seconds
-                self._host[sha] = host
+                self._host[key] = host
                 self._host_bytes += host.nbytes
                 self._evict_host()
             else:
                 if not isinstance(exc, AdapterLoadError):
                     exc = AdapterLoadError(ADAPTER_LOAD_FAILED, f"loading {ref.storage_key!r} failed: {exc!r}")
                 self.counters["load_failures"] += 1
-                for w in self._waiters.pop(sha, ()):
+                for w in self._waiters.pop(key, ()):
                     self._failed[w] = exc
         self.on_loaded()
 
     def _evict_host(self) -> None:
-        """Oldest first, skipping adapters that requests wait to place into a slot."""
+        """Oldest first, skipping adapters that requests wait to place into the pool."""
         if self._host_bytes <= self.host_cache_bytes:
             return
-        for sha in list(self._host):
+        for key in list(self._host):
             if self._host_bytes <= self.host_cache_bytes:
                 break
-            if sha in self._waiters:
+            if key in self._waiters:
                 continue
-            host = self._host.pop(sha)
+            host = self._host.pop(key)
             self._host_bytes -= host.nbytes
             self.counters["host_evictions"] += 1

@@ -9,13 +9,18 @@ Any thread may `submit(job)`; the engine thread, at every step,
   4. samples, checks stop conditions, streams text, and retires finished requests at once, freeing
      their KV blocks and unpinning their adapters.
 
-KV blocks for a request's whole budget (prompt + max_tokens) are reserved at admission, so a running
-request can never run out of cache and nothing needs preempting; the price is that a request that stops
-early held blocks it did not use until it finished.
+Memory (one pool for KV blocks and adapters, memory_pool.py). KV blocks for a request's whole budget
+(prompt + max_tokens) are reserved at admission, so a running request can never run out of cache and
+nothing needs preempting; the price is that a request that stops early held blocks it did not use until
+it finished. Under pressure the engine *queues*: a request whose KV blocks or adapter pages are not free
+waits (idle adapters are evicted first, least recently used, to give pages back), and counts once in
+`admissions_waited_memory`. It *refuses* at once only what can never fit: prompt + max_tokens beyond the
+pool (`prompt_too_long`), or an adapter whose pages plus the request's KV exceed the pool
+(`adapter_too_large`). It never preempts a running request.
 
 Fairness: a request whose adapter is still loading (off-thread) does not hold up those behind it; a
-request that waits for KV blocks or for a free adapter slot does, so nothing later can keep taking the
-resource it waits for (no starvation).
+request that waits for memory does, so nothing later can keep taking the pages it waits for (no
+starvation).
 
 Failures are per request: a bad adapter, an over-long prompt or bad parameters end that request with an
 error code; if a forward pass raises, the batch is re-run sequence by sequence to find the culprit.
@@ -34,7 +39,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import jobs
-from .adapter_cache import FAILED, LOADING, NO_SLOT, AdapterCache
+from .adapter_cache import FAILED, LOADING, NO_ROOM, AdapterCache
 from .jobs import GenerationJob, GenerationResult
 from .metrics import EngineMetrics
 from .model import SeqStep
@@ -100,8 +105,8 @@ class _Request:
     """Engine-private state of one request."""
 
     __slots__ = (
-        "job", "handle", "key", "prompt_ids", "out_ids", "blocks", "num_computed", "slot", "sha",
-        "sampler", "text", "stop_ids", "t_submit", "t_admit", "t_first", "done",
+        "job", "handle", "key", "prompt_ids", "out_ids", "blocks", "num_computed", "slot", "ident",
+        "sampler", "text", "stop_ids", "t_submit", "t_admit", "t_first", "done", "waited_memory",
     )
 
     def __init__(self, job: GenerationJob, handle: RequestHandle, key: int):
@@ -113,7 +118,7 @@ class _Request:
         self.blocks: list[int] = []
         self.num_computed = 0  # tokens of this sequence already in the KV cache
         self.slot = -1
-        self.sha: str | None = None  # adapter pinned in `slot` (released when the request ends)
+        self.ident: str | None = None  # identity of the adapter pinned in `slot` (released when the request ends)
         self.sampler: RequestSampler | None = None  # None = greedy
         self.text: IncrementalText | None = None
         self.stop_ids: frozenset[int] = frozenset()
@@ -121,6 +126,7 @@ class _Request:
         self.t_admit: float | None = None
         self.t_first: float | None = None
         self.done = False
+        self.waited_memory = False  # counted once in admissions_waited_memory
 
 
 class Engine:
@@ -138,13 +144,13 @@ class Engine:
         self.tokenizer = runner.tokenizer
         self.max_running = max_running
         self.prefill_chunk = max(1, int(prefill_chunk))
-        self.lora_enabled = bool(getattr(runner, "enable_lora", True)) and getattr(runner, "max_lora_slots", 1) > 0
+        self.lora_enabled = getattr(runner, "lora", None) is not None
         self.cache = AdapterCache(runner, loader, host_cache_bytes=host_cache_bytes,
                                   loader_threads=loader_threads, on_loaded=self._wake_up) if self.lora_enabled else None
         self.metrics = EngineMetrics()
         self.block_size = int(runner.block_size)
         self.allocator = runner.kv.allocator
-        self.total_blocks = int(self.allocator.num_free)
+        self.total_blocks = int(self.allocator.num_free)  # pool pages KV may ever hold (fixed slots excluded)
         self.max_context = int(getattr(runner.config, "max_position_embeddings"))
         self.eos_ids = self._eos_ids()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -207,6 +213,7 @@ class Engine:
         s["running"] = len(self._running)
         s["free_kv_blocks"] = int(self.allocator.num_free)
         s["total_kv_blocks"] = self.total_blocks
+        s["memory"] = self.runner.memory_report()
         if self.cache is not None:
             s["cache"] = self.cache.stats()
             s["resident_adapters"] = self.cache.resident()
@@ -311,10 +318,18 @@ class Engine:
             return jobs.PROMPT_TOO_LONG, (
                 f"prompt of {len(ids)} tokens + max_tokens {job.max_tokens} exceeds the context of {self.max_context}"
             )
-        if self._blocks_needed(req) > self.total_blocks:
+        need = self._blocks_needed(req)
+        if need > self.total_blocks:
             return jobs.PROMPT_TOO_LONG, (
                 f"prompt of {len(ids)} tokens + max_tokens {job.max_tokens} needs more KV cache than this worker has"
             )
+        if job.adapter is not None and not self.runner.lora.fixed_pages:
+            pages = self.cache.pages_for(job.adapter)
+            if pages + need > self.total_blocks:
+                return jobs.ADAPTER_TOO_LARGE, (
+                    f"adapter {job.adapter.name or job.adapter.sha256[:12]} (rank {job.adapter.rank}) takes {pages} "
+                    f"pages of this worker's memory pool; with this request's {need} KV blocks that exceeds the "
+                    f"pool's {self.total_blocks} pages")
         req.sampler = None if params.greedy else RequestSampler(params)
         req.text = IncrementalText(self.tokenizer, ids, job.stop)
         req.stop_ids = frozenset(int(t) for t in job.stop_token_ids)
@@ -324,7 +339,10 @@ class Engine:
         return math.ceil((len(req.prompt_ids) + req.job.max_tokens) / self.block_size)
 
     def _admit(self) -> None:
-        """FCFS admission bounded by max_running, adapter slots and free KV blocks."""
+        """FCFS admission bounded by max_running and by the memory pool, which KV blocks and resident
+        adapters share. A request that waits for memory holds the line (nothing later takes the pages it
+        waits for, so it cannot starve) and holds no pin while it waits (so waiting requests cannot
+        deadlock each other). A request whose adapter is still loading does not hold the line."""
         if not self._waiting:
             return
         kept: deque[_Request] = deque()
@@ -337,7 +355,7 @@ class Engine:
                 kept.append(req)
                 continue
             ref = req.job.adapter
-            if ref is not None and req.sha is None:
+            if ref is not None and req.ident is None:
                 got = self.cache.acquire(ref, req.key)
                 if got.state == FAILED:
                     self._fail(req, got.error_code, got.error_message)
@@ -345,20 +363,31 @@ class Engine:
                 if got.state == LOADING:  # loads off-thread; those behind it go ahead
                     kept.append(req)
                     continue
-                if got.state == NO_SLOT:  # every slot pinned: hold the line until one frees
-                    kept.append(req)
+                if got.state == NO_ROOM:  # pinned adapters and KV blocks leave no run of pages for it
+                    self._wait_for_memory(req, kept)
                     blocked = True
                     continue
-                req.slot, req.sha = got.slot, ref.sha256
+                req.slot, req.ident = got.slot, ref.identity
             need = self._blocks_needed(req)
+            if self.allocator.num_free < need and self.cache is not None:
+                self.cache.reclaim(need)  # idle adapters give their pages back to the KV cache
             if self.allocator.num_free < need:
-                kept.append(req)
+                if req.ident is not None:  # wait unpinned: the adapter stays resident unless room is needed
+                    self.cache.release(req.ident)
+                    req.slot, req.ident = -1, None
+                self._wait_for_memory(req, kept)
                 blocked = True
                 continue
             req.blocks = self.allocator.allocate(need)
             req.t_admit = time.perf_counter()
             self._running.append(req)
         self._waiting = kept
+
+    def _wait_for_memory(self, req: _Request, kept: deque) -> None:
+        kept.append(req)
+        if not req.waited_memory:
+            req.waited_memory = True
+            self.metrics.admissions_waited_memory += 1
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -451,9 +480,9 @@ class Engine:
         if req.blocks:
             self.allocator.free(req.blocks)
             req.blocks = []
-        if req.sha is not None:
-            self.cache.release(req.sha)
-            req.sha = None
+        if req.ident is not None:
+            self.cache.release(req.ident)
+            req.ident = None
         elif req.job.adapter is not None and self.cache is not None:
             self.cache.forget(req.key)
 

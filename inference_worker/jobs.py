@@ -13,7 +13,8 @@ from typing import Any
 # Error codes a GenerationResult may carry; the gateway maps them to HTTP answers.
 ADAPTER_INTEGRITY_ERROR = "adapter_integrity_error"  # blob's sha256 is not the one the job expects
 ADAPTER_LOAD_FAILED = "adapter_load_failed"  # storage read failed, or the blob is not a valid adapter
-PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens does not fit the model's context
+PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens does not fit the model's context or the KV pool
+ADAPTER_TOO_LARGE = "adapter_too_large"  # the adapter's pages + the request's KV exceed the worker's pool
 INVALID_REQUEST = "invalid_request"  # parameters the engine cannot honour (empty prompt, bad values)
 CANCELLED = "cancelled"
 ENGINE_STOPPED = "engine_stopped"

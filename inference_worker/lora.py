@@ -1,35 +1,38 @@
-"""Device-resident LoRA slot pools and the per-projection LoRA term.
+"""Resident LoRA adapters in the worker's memory pool, and the per-projection LoRA term.
 
-Each of the seven target projections has, per layer, a padded pool of A and B matrices for every slot:
-`a[proj][layer]` is `[S, r_max, d_in]` and `b[proj][layer]` is `[S, d_out, r_max]` (the shapes
-`kernels.add_lora` consumes; B rank-major in memory). An adapter of rank r < r_max fills the first r
-rows/columns; the rest stay zero and the kernels never read them (they use the slot's real rank). A
-slot whose adapter does not target a projection keeps zeros there, and the projection is skipped for a
-step in which no active slot targets it, so attention-only adapters do not pay for MLP LoRA.
+An adapter is one contiguous run of pool pages (memory_pool.PagePool), sized by its real rank and its
+real targets (protocol.memory.adapter_pages): an r=8 attention-only adapter costs ~1/19 of an r=64
+all-linear one. Inside the run, per layer, each targeted projection's A [r, d_in] and B^T [r, d_out] lie
+at the offsets `protocol.memory.adapter_layout` gives — the same for every layer, so one offset table per
+projection (`kernels.LoraTable`) serves all layers; the kernels are handed layer l's pages as a flat
+buffer. A *slot* is only a row of those tables (an index for the per-token mapping), not memory.
 
 Scale per slot is PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA (the caller computes it).
+
+`fixed_slots` reproduces the layout this replaced, for benchmarks only: N runs reserved up front, each
+the size of a max-rank all-linear adapter, whatever the adapters placed in them need.
 """
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from kernels import LoraMapping, add_lora
+from kernels import LoraMapping, LoraTable, add_lora
+from protocol.lora_layout import TARGET_MODULES, ModelShape, peft_scale  # noqa: F401  (peft_scale re-exported)
+from protocol.memory import adapter_layout, adapter_pages
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from .memory_pool import PagePool
+
+TARGETS = TARGET_MODULES
 
 # PEFT names, saved ("...q_proj.lora_A.weight") or in memory ("...q_proj.lora_A.default.weight").
 _PEFT_KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
     r"\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$"
 )
-
-
-def peft_scale(alpha: float, rank: int, use_rslora: bool) -> float:
-    """PEFT's scaling: alpha/r, or alpha/sqrt(r) for rsLoRA."""
-    return alpha / (rank ** 0.5) if use_rslora else alpha / rank
 
 
 def parse_peft_key(name: str) -> tuple[int, str, str]:
@@ -41,54 +44,83 @@ def parse_peft_key(name: str) -> tuple[int, str, str]:
 
 
 @dataclass(frozen=True)
-class ProjectionShape:
-    d_in: int
-    d_out: int
+class Resident:
+    """One adapter in the pool."""
+
+    key: str  # the caller's name for it (the adapter identity in the worker)
+    start: int  # first page of its run
+    pages: int
+    rank: int
+    scale: float
+    targets: frozenset[str]
+    offsets: dict  # proj -> (A offset, B offset) from the start of the run, in elements
+    reserved: bool = False  # the run is a fixed slot's (given back to the reserve, not the pool)
 
 
-class LoraSlots:
-    """The slot pools of one model, their ranks and scales, and the per-step mapping."""
+class NoRoom(RuntimeError):
+    """No run of free pages is long enough for the adapter right now (evict or wait, then retry)."""
 
-    def __init__(self, shapes: dict[str, ProjectionShape], *, num_layers: int, num_slots: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        self.num_layers, self.num_slots, self.max_rank = num_layers, num_slots, max_rank
-        self.device = torch.device(device)
-        self.shapes = shapes
-        self.a = {p: [torch.zeros(num_slots, max_rank, s.d_in, dtype=dtype, device=device)
-                      for _ in range(num_layers)] for p, s in shapes.items()}  # [S, r_max, d_in]
-        # B is [S, d_out, r_max] by shape but rank-major in memory (a transposed [S, r_max, d_out]): the
-        # expand then streams exactly rank x d_out contiguous values per adapter, whatever r_max is
-        # (kernels/cpu.py measured column-major B as latency-bound for ranks below r_max).
-        self.b = {p: [torch.zeros(num_slots, max_rank, s.d_out, dtype=dtype, device=device).transpose(1, 2)
-                      for _ in range(num_layers)] for p, s in shapes.items()}  # [S, d_out, r_max] view
-        self.ranks = [0] * num_slots
-        self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)  # [S]
-        self.targets: list[frozenset[str]] = [frozenset()] * num_slots
+
+class LoraPool:
+    """The adapters resident in the memory pool, their offset tables and scales, and the per-step mapping."""
+
+    def __init__(self, pool: PagePool, shape: ModelShape, *, max_rank: int, block_size: int,
+                 fixed_slots: int = 0) -> None:
+        self.pool, self.shape, self.max_rank, self.block_size = pool, shape, max_rank, block_size
+        self.num_layers = shape.num_layers
+        self.device = pool.device
+        self.projections = shape.projections()  # proj -> (d_in, d_out)
+        self._buffers = [pool.layer_buffer(layer) for layer in range(pool.num_layers)]
+        self._slots: list[Resident | None] = []
+        self._reserve: list[int] = []  # free fixed-slot runs (first pages)
+        self.fixed_pages = 0
+        if fixed_slots:
+            self.fixed_pages = adapter_pages(shape, max_rank, TARGET_MODULES, block_size)
+            for _ in range(fixed_slots):
+                start = pool.allocate_extent(self.fixed_pages)
+                if start is None:
+                    raise ValueError(f"{fixed_slots} fixed slots of {self.fixed_pages} pages do not fit a pool of "
+                                     f"{pool.num_pages} pages")
+                self._reserve.append(start)
+        self._rebuild()
+
+    # ---- inspection -------------------------------------------------------------------------------
 
     @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for ts in d.values() for t in ts)
+    def num_slots(self) -> int:
+        return len(self._slots)
 
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot {slot} out of range (0..{self.num_slots - 1})")
+    def residents(self) -> list[Resident]:
+        return [r for r in self._slots if r is not None]
 
-    def clear(self, slot: int) -> None:
-        """Empty a slot. Only the region the previous adapter wrote is zeroed (targets x [:rank]): a
-        whole slot of a 7B-shaped pool is hundreds of MB, and cold loads must stay cheap."""
-        self._check_slot(slot)
-        r = self.ranks[slot]
-        for proj in self.targets[slot]:
-            for layer in range(self.num_layers):
-                self.a[proj][layer][slot, :r].zero_()
-                self.b[proj][layer][slot, :, :r].zero_()
-        self.ranks[slot] = 0
-        self.scales[slot] = 0.0
-        self.targets[slot] = frozenset()
+    @property
+    def ranks(self) -> list[int]:
+        return [r.rank if r is not None else 0 for r in self._slots]
 
-    def load(self, slot: int, weights: dict[str, torch.Tensor], *, rank: int, scale: float) -> None:
-        """Copy a PEFT adapter's tensors into a slot. Validates everything before touching the slot."""
-        self._check_slot(slot)
+    def pages_for(self, rank: int, targets) -> int:
+        """Pages an adapter of `rank` on `targets` takes here (a fixed slot's size in fixed-slot mode)."""
+        if self.fixed_pages:
+            return self.fixed_pages
+        return adapter_pages(self.shape, rank, [t for t in targets if t in self.projections] or TARGET_MODULES,
+                             self.block_size)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of pool pages that adapters hold (in fixed-slot mode: every reserved slot)."""
+        pages = self.fixed_pages * (len(self._reserve) + len(self.residents())) if self.fixed_pages else \
+            sum(r.pages for r in self.residents())
+        return pages * self.pool.page_bytes
+
+    def resident_by_rank(self) -> dict[int, int]:
+        return dict(sorted(Counter(r.rank for r in self.residents()).items()))
+
+    # ---- placing and removing ---------------------------------------------------------------------
+
+    def place(self, key: str, weights: dict[str, torch.Tensor], *, rank: int, scale: float) -> int:
+        """Copy a PEFT adapter (PEFT tensor names, any dtype) into pages of the pool; returns its slot.
+
+        Validates everything before touching the pool. Raises ValueError when the adapter does not fit
+        this base, NoRoom when no run of free pages is long enough now."""
         if not 0 < rank <= self.max_rank:
             raise ValueError(f"rank {rank} outside 1..{self.max_rank}")
         parsed: dict[tuple[int, str, str], torch.Tensor] = {}
@@ -96,14 +128,12 @@ class LoraSlots:
             layer, proj, ab = parse_peft_key(name)
             if layer >= self.num_layers:
                 raise ValueError(f"tensor {name!r}: the base has {self.num_layers} layers")
-            if proj not in self.shapes:
-                raise ValueError(f"tensor {name!r}: projection {proj} is not adaptable here")
-            s = self.shapes[proj]
+            d_in, d_out = self.projections[proj]
             r = tensor.shape[0] if ab == "A" else tensor.shape[-1]
-            expected = (r, s.d_in) if ab == "A" else (s.d_out, r)
+            expected = (r, d_in) if ab == "A" else (d_out, r)
             if tensor.dim() != 2 or tuple(tensor.shape) != expected or r > rank:
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{'[r, %d]' % s.d_in if ab == 'A' else '[%d, r]' % s.d_out} with r <= {rank}")
+                                 f"{'[r, %d]' % d_in if ab == 'A' else '[%d, r]' % d_out} with r <= {rank}")
             parsed[(layer, proj, ab)] = tensor
         for (layer, proj, ab) in parsed:
             other = "B" if ab == "A" else "A"
@@ -111,56 +141,107 @@ class LoraSlots:
                 raise ValueError(f"layer {layer} {proj}: lora_{ab} without lora_{other}")
         if not parsed:
             raise ValueError("the adapter has no LoRA tensors")
+        targets = frozenset(proj for (_, proj, _) in parsed)
 
-        # Invariant: outside (targets x [:rank]) a slot is all zeros, so a module of smaller rank than
-        # the slot's (PEFT rank_pattern) or one the adapter does not target contributes nothing. Only what
-        # the new adapter will not overwrite is zeroed: zeroing first and then copying wrote the same
-        # 160 MB twice for a 7B-shaped adapter (~10 ms of a cold load).
-        old_rank, old_targets = self.ranks[slot], self.targets[slot]
-        new_targets = frozenset(proj for (_, proj, _) in parsed)
-        self.ranks[slot], self.scales[slot], self.targets[slot] = 0, 0.0, frozenset()
+        if self.fixed_pages:
+            if not self._reserve:
+                raise NoRoom("every fixed slot holds an adapter")
+            pages, start, reserved = self.fixed_pages, self._reserve.pop(), True
+        else:
+            pages, reserved = adapter_pages(self.shape, rank, targets, self.block_size), False
+            start = self.pool.allocate_extent(pages)
+            if start is None:
+                raise NoRoom(f"no run of {pages} free pages (largest {self.pool.largest_free_run()}, "
+                             f"{self.pool.num_free} free)")
+        offsets = adapter_layout(self.shape, rank, targets)
+        base = start * self.pool.page_elems
         try:
-            for proj in old_targets:
-                for layer in range(self.num_layers):
-                    keep = parsed[(layer, proj, "A")].shape[0] if (layer, proj, "A") in parsed else 0
-                    if keep < old_rank:
-                        self.a[proj][layer][slot, keep:old_rank].zero_()
-                        self.b[proj][layer][slot, :, keep:old_rank].zero_()
-            for (layer, proj, ab), t in parsed.items():
-                if ab == "A":
-                    self.a[proj][layer][slot, : t.shape[0]].copy_(t)  # copy_ converts dtype and device
-                else:
-                    self.b[proj][layer][slot, :, : t.shape[1]].copy_(t)
-        except BaseException:  # leave an empty, all-zero slot behind, whatever was half-written
-            self.ranks[slot], self.targets[slot] = max(old_rank, rank), old_targets | new_targets
-            self.clear(slot)
+            for layer in range(self.num_layers):
+                buf = self._buffers[layer]
+                for proj in targets:
+                    d_in, d_out = self.projections[proj]
+                    a_off, b_off = base + offsets[proj][0], base + offsets[proj][1]
+                    a_dst = buf[a_off:a_off + rank * d_in].view(rank, d_in)
+                    bt_dst = buf[b_off:b_off + rank * d_out].view(rank, d_out)
+                    a, b = parsed.get((layer, proj, "A")), parsed.get((layer, proj, "B"))
+                    r = 0 if a is None else a.shape[0]
+                    # Pages are reused (KV blocks, other adapters): whatever this adapter does not write
+                    # (a layer it skips, rows past a module's smaller rank) must be zero.
+                    if r < rank:
+                        a_dst[r:].zero_()
+                        bt_dst[r:].zero_()
+                    if r:
+                        a_dst[:r].copy_(a)  # copy_ converts dtype and device
+                        bt_dst[:r].copy_(b.t())
+        except BaseException:
+            self._give_back(start, pages, reserved)
             raise
-        self.ranks[slot] = rank
-        self.scales[slot] = float(scale)
-        self.targets[slot] = new_targets
+        resident = Resident(key=key, start=start, pages=pages, rank=rank, scale=float(scale), targets=targets,
+                            offsets=offsets, reserved=reserved)
+        slot = next((i for i, r in enumerate(self._slots) if r is None), len(self._slots))
+        if slot == len(self._slots):
+            self._slots.append(resident)
+        else:
+            self._slots[slot] = resident
+        self._rebuild()
+        return slot
+
+    def remove(self, slot: int) -> None:
+        """Give an adapter's pages back to the pool (or its fixed slot back to the reserve)."""
+        resident = self._slots[slot] if 0 <= slot < len(self._slots) else None
+        if resident is None:
+            raise ValueError(f"slot {slot} holds no adapter")
+        self._slots[slot] = None
+        while self._slots and self._slots[-1] is None:
+            self._slots.pop()
+        self._give_back(resident.start, resident.pages, resident.reserved)
+        self._rebuild()
+
+    def _give_back(self, start: int, pages: int, reserved: bool) -> None:
+        if reserved:
+            self._reserve.append(start)
+        else:
+            self.pool.free_extent(start, pages)
+
+    def _rebuild(self) -> None:
+        """New offset tables and scales after a change (adapters load and evict; steps only read)."""
+        E = self.pool.page_elems
+        self.tables: dict[str, LoraTable] = {}
+        for proj, (d_in, d_out) in self.projections.items():
+            a, b, ranks = [], [], []
+            for r in self._slots:
+                hit = r is not None and proj in r.targets
+                a.append(r.start * E + r.offsets[proj][0] if hit else 0)
+                b.append(r.start * E + r.offsets[proj][1] if hit else 0)
+                ranks.append(r.rank if hit else 0)
+            self.tables[proj] = LoraTable.build(a, b, ranks, d_in=d_in, d_out=d_out, device=self.device)
+        self.scales = torch.tensor([r.scale if r is not None else 0.0 for r in self._slots], dtype=torch.float32,
+                                   device=self.device)  # [S]
+
+    # ---- per step ---------------------------------------------------------------------------------
 
     def mapping(self, token_slots: list[int]) -> "StepLora | None":
-        """The step's LoRA state, or None when no token uses a loaded slot (the LoRA term is zero)."""
+        """The step's LoRA state, or None when no token uses an adapter (the LoRA term is zero)."""
         active = {s for s in token_slots if s >= 0}
         for s in active:
-            self._check_slot(s)
-            if self.ranks[s] == 0:
-                raise ValueError(f"slot {s} is empty")
+            if s >= len(self._slots) or self._slots[s] is None:
+                raise ValueError(f"slot {s} holds no adapter")
         if not active:
             return None
-        targeted = frozenset().union(*(self.targets[s] for s in active))
-        mapping = LoraMapping.build(token_slots, self.ranks, device=self.device)
+        targeted = frozenset().union(*(self._slots[s].targets for s in active))
+        mapping = LoraMapping.build(token_slots, len(self._slots), device=self.device)
         return StepLora(self, mapping, targeted)
 
 
 class StepLora:
     """One forward step's LoRA: the mapping (built once) applied to every projection of every layer."""
 
-    def __init__(self, slots: LoraSlots, mapping: "LoraMapping", targeted: frozenset[str]) -> None:
-        self.slots, self.mapping, self.targeted = slots, mapping, targeted
+    def __init__(self, lora: LoraPool, mapping: LoraMapping, targeted: frozenset[str]) -> None:
+        self.lora, self.mapping, self.targeted = lora, mapping, targeted
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """out += LoRA term of proj at layer. out: [T, d_out] (a column view is fine), x: [T, d_in]."""
         if proj not in self.targeted:
             return
-        add_lora(out, x, self.slots.a[proj][layer], self.slots.b[proj][layer], self.mapping, self.slots.scales)
+        lora = self.lora
+        add_lora(out, x, lora._buffers[layer], lora.tables[proj], self.mapping, lora.scales)

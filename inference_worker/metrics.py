@@ -24,6 +24,7 @@ class EngineMetrics:
     requests_finished: int = 0
     requests_failed: int = 0
     requests_cancelled: int = 0
+    admissions_waited_memory: int = 0  # requests that waited at admission for KV or adapter pages
     forward_seconds: float = 0.0
     step_seconds: float = 0.0
 

@@ -20,8 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from protocol.lora_layout import ModelShape
+from protocol.memory import PoolSplit, page_elements, split_budget, workspace_bytes
+
 from .kv_cache import PagedKVCache, blocks_needed
-from .lora import TARGETS, LoraSlots, ProjectionShape, StepLora
+from .lora import LoraPool, StepLora
+from .memory_pool import PagePool
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
@@ -310,23 +314,34 @@ class Block:
 
 
 class ModelRunner:
-    """Holds one base model, its paged KV cache and LoRA slot pools; runs batched forward steps."""
+    """Holds one base model and its memory pool (KV blocks and resident adapters); runs batched forward steps.
+
+    Memory: give either `memory_bytes`, the budget for the base weights, the activation workspace and the
+    pool (protocol.memory.split_budget sizes the pool from it), or `pool_pages` directly (tests, benches).
+    """
 
     def __init__(self, checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
-                 max_lora_slots: int = 8, max_lora_rank: int = 64, enable_lora: bool = True) -> None:
+                 dtype: torch.dtype | None = None, block_size: int = 16, max_lora_rank: int = 64,
+                 enable_lora: bool = True, memory_bytes: int | None = None, pool_pages: int | None = None,
+                 max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0) -> None:
         from transformers import AutoTokenizer
 
+        if (memory_bytes is None) == (pool_pages is None):
+            raise ValueError("give the runner exactly one of memory_bytes (a budget) or pool_pages")
         self.checkpoint_dir = Path(checkpoint_dir)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.config = cfg = ModelConfig.from_dir(self.checkpoint_dir)
+        self.shape = ModelShape.from_config(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.checkpoint_dir))
         self.block_size = block_size
         self.enable_lora = enable_lora
-        self.max_lora_slots, self.max_lora_rank = max_lora_slots, max_lora_rank
+        self.max_lora_rank = max_lora_rank
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens or (256 + max_running)
 
         w = self._read_weights()
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in w.values())
         self.embed = w.pop("model.embed_tokens.weight")  # [vocab, hidden]
         self.final_norm = w.pop("model.norm.weight")
         self.lm_head = w.pop("lm_head.weight", None)
@@ -345,25 +360,79 @@ class ModelRunner:
         self.rope_cos = emb.cos().to(self.dtype).to(self.device)
         self.rope_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(self.dtype).to(self.device)
 
-        if num_kv_blocks is None:
-            # Enough for 64 sequences of the full context, capped at 1 GiB of cache.
-            per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * self.dtype.itemsize
-            num_kv_blocks = min(64 * blocks_needed(cfg.max_position_embeddings, block_size),
-                                max(1, (1 << 30) // per_block))
-        self.kv = PagedKVCache(num_layers=cfg.num_layers, num_blocks=num_kv_blocks, block_size=block_size,
-                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=self.dtype,
-                               device=self.device)
-        self.lora: LoraSlots | None = None
+        self.memory: PoolSplit | None = None
+        self.workspace_measured: int | None = None
+        if memory_bytes is not None:
+            self.memory = self._split_budget(int(memory_bytes))
+            pool_pages = self.memory.num_pages
+        self.pool = PagePool(num_layers=cfg.num_layers, num_pages=int(pool_pages),
+                             page_elems=page_elements(self.shape, block_size), dtype=self.dtype, device=self.device)
+        self.kv = PagedKVCache(self.pool, block_size=block_size, num_kv_heads=cfg.num_kv_heads,
+                               head_dim=cfg.head_dim)
+        self.lora: LoraPool | None = None
         if enable_lora:
-            q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            h, i = cfg.hidden_size, cfg.intermediate_size
-            shapes = {"q_proj": ProjectionShape(h, q_dim), "k_proj": ProjectionShape(h, kv_dim),
-                      "v_proj": ProjectionShape(h, kv_dim), "o_proj": ProjectionShape(q_dim, h),
-                      "gate_proj": ProjectionShape(h, i), "up_proj": ProjectionShape(h, i),
-                      "down_proj": ProjectionShape(i, h)}
-            assert set(shapes) == set(TARGETS)
-            self.lora = LoraSlots(shapes, num_layers=cfg.num_layers, num_slots=max_lora_slots,
-                                  max_rank=max_lora_rank, dtype=self.dtype, device=self.device)
+            self.lora = LoraPool(self.pool, self.shape, max_rank=max_lora_rank, block_size=block_size,
+                                 fixed_slots=fixed_lora_slots)
+
+    def workspace_estimate(self) -> int:
+        """The activation workspace of the largest step, by the shared arithmetic (protocol.memory)."""
+        return workspace_bytes(self.shape, vocab_size=self.config.vocab_size, max_batch_tokens=self.max_batch_tokens,
+                               max_running=self.max_running, max_context=self.config.max_position_embeddings,
+                               max_lora_rank=self.max_lora_rank, dtype_bytes=self.dtype.itemsize,
+                               chunked_decode=self.device.type != "cuda")
+
+    def _split_budget(self, budget: int) -> PoolSplit:
+        workspace = self.workspace_estimate()
+        if self.device.type == "cuda":  # measure: one forward pass at the largest step, peak allocation
+            self.workspace_measured = self._measure_workspace()
+            workspace = max(workspace, self.workspace_measured)
+        return split_budget(budget_bytes=budget, weights_bytes=self.weights_bytes, workspace_bytes=workspace,
+                            shape=self.shape, block_size=self.block_size, dtype_bytes=self.dtype.itemsize)
+
+    def _measure_workspace(self) -> int:
+        """Peak CUDA memory of a prefill of max_batch_tokens tokens beside a decode batch of max_running
+        sequences, on a scratch pool just large enough, minus what was allocated before and the scratch
+        pool itself."""
+        bs, T, B = self.block_size, self.max_batch_tokens, self.max_running
+        prefill = min(max(T - B, 1), self.config.max_position_embeddings - 1)
+        pages = blocks_needed(prefill, bs) + B
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.pool = PagePool(num_layers=self.config.num_layers, num_pages=pages,
+                             page_elems=page_elements(self.shape, bs), dtype=self.dtype, device=self.device)
+        self.kv = PagedKVCache(self.pool, block_size=bs, num_kv_heads=self.config.num_kv_heads,
+                               head_dim=self.config.head_dim)
+        self.lora = None
+        scratch = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        steps = [SeqStep(block_table=list(range(blocks_needed(prefill, bs))), start_pos=0, token_ids=[0] * prefill)]
+        first = blocks_needed(prefill, bs)
+        steps += [SeqStep(block_table=[first + i], start_pos=0, token_ids=[0]) for i in range(B)]
+        self.forward(steps)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch
+        del self.pool, self.kv
+        torch.cuda.empty_cache()
+        return max(0, peak) + max(0, torch.cuda.memory_allocated(self.device) - before)
+
+    def memory_report(self) -> dict:
+        """What the pool holds now (worker_status, Prometheus, the operator page)."""
+        pool = self.pool
+        report = {
+            "page_bytes": pool.page_bytes, "pages": pool.num_pages, "pool_bytes": pool.bytes,
+            "block_size": self.block_size, "weights_bytes": self.weights_bytes,
+            "kv_blocks_used": pool.kv_pages, "free_pages": pool.num_free, "largest_free_run": pool.largest_free_run(),
+            "adapter_pages": pool.adapter_pages,
+            "adapter_bytes_resident": self.lora.resident_bytes if self.lora is not None else 0,
+            "resident_adapters_by_rank": {str(k): v for k, v in self.lora.resident_by_rank().items()}
+            if self.lora is not None else {},
+        }
+        if self.memory is not None:
+            report.update(budget_bytes=self.memory.budget_bytes, workspace_bytes=self.memory.workspace_bytes,
+                          unused_bytes=self.memory.unused_bytes)
+        if self.workspace_measured is not None:
+            report["workspace_measured_bytes"] = self.workspace_measured
+        return report
 
     def _read_weights(self) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
@@ -382,17 +451,17 @@ class ModelRunner:
 
     # --- adapters ---
 
-    def load_adapter_into_slot(self, slot: int, weights: dict[str, torch.Tensor], *, rank: int,
-                               scale: float) -> None:
-        """Copy a PEFT adapter (PEFT tensor names, any dtype) into a slot; raises ValueError if it does not fit."""
+    def load_adapter(self, weights: dict[str, torch.Tensor], *, rank: int, scale: float, key: str = "") -> int:
+        """Place a PEFT adapter (PEFT tensor names, any dtype) in the pool; returns its slot. Raises ValueError
+        if it does not fit this base, lora.NoRoom if the pool has no run of pages for it now."""
         if self.lora is None:
             raise RuntimeError("this runner was built with enable_lora=False")
-        self.lora.load(slot, weights, rank=rank, scale=scale)
+        return self.lora.place(key, weights, rank=rank, scale=scale)
 
-    def clear_slot(self, slot: int) -> None:
+    def unload_adapter(self, slot: int) -> None:
         if self.lora is None:
             raise RuntimeError("this runner was built with enable_lora=False")
-        self.lora.clear(slot)
+        self.lora.remove(slot)
 
     # --- forward ---
 

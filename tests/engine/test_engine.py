@@ -51,8 +51,8 @@ def fleet(tiny_llama, tmp_path_factory) -> Fleet:
     return Fleet(tiny_llama, tmp_path_factory.mktemp("fleet"), 32)
 
 
-def make_engine(base, loader, *, slots=32, **kw) -> Engine:
-    runner = ModelRunner(base, num_kv_blocks=kw.pop("num_kv_blocks", 512), max_lora_slots=slots, max_lora_rank=64)
+def make_engine(base, loader, *, pool_pages=512, **kw) -> Engine:
+    runner = ModelRunner(base, pool_pages=pool_pages, max_lora_rank=64)
     return Engine(runner, loader, **kw).start()
 
 
@@ -91,7 +91,7 @@ def test_greedy_tokens_do_not_depend_on_the_batch(engine, fleet):
         assert res.text == alone[rid].text
     stats = engine.stats()
     assert stats["distinct_adapters_max"] >= 8 and stats["batch_size_max"] >= 16
-    assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
+    assert stats["memory"]["kv_blocks_used"] == 0  # every request gave its KV blocks back
     assert stats["cache"]["cold_loads"] == 32  # the second round was served from the cache
     assert engine.metrics.requests_finished == 2 * len(jobs)
 
@@ -106,7 +106,7 @@ def test_engine_greedy_equals_peft_generate(fleet):
     tok = AutoTokenizer.from_pretrained(str(fleet.base))
     model = AutoModelForCausalLM.from_pretrained(str(fleet.base), dtype=torch.float32)
     model = PeftModel.from_pretrained(model, str(fleet.dirs[i])).eval()
-    eng = make_engine(fleet.base, fleet.loader, slots=2)
+    eng = make_engine(fleet.base, fleet.loader)
     try:
         for prompt in PROMPTS[:3]:
             ids = tok(prompt, return_tensors="pt").input_ids
@@ -132,7 +132,7 @@ def test_a_failing_request_fails_alone(fleet):
 
     missing_ref = AdapterRef(**{**fleet.refs[2].to_dict(), "storage_key": "missing", "sha256": "0" * 64})
     poison = 7  # a token id whose forward pass raises, to exercise the per-sequence fallback
-    eng = make_engine(fleet.base, loader, slots=8)
+    eng = make_engine(fleet.base, loader)
     real_forward = eng.runner.forward
 
     def forward(steps):
@@ -164,8 +164,8 @@ def test_a_failing_request_fails_alone(fleet):
             "bad-params": ("error", "invalid_request"),
         }
         assert results["corrupt"].adapter_sha256 is None  # never served
-        assert corrupt_ref.sha256 not in eng.resident_adapters()
-        assert eng.stats()["free_kv_blocks"] == eng.stats()["total_kv_blocks"]
+        assert corrupt_ref.identity not in eng.resident_adapters()
+        assert eng.stats()["memory"]["kv_blocks_used"] == 0
     finally:
         eng.stop()
 
@@ -183,8 +183,8 @@ def test_cancel_frees_the_request_at_once(engine, fleet):
     assert other.result(timeout=60).ok
     time.sleep(0.05)
     stats = engine.stats()
-    assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
-    assert ref.sha256 not in engine.cache.pinned()
+    assert stats["memory"]["kv_blocks_used"] == 0  # every request gave its KV blocks back
+    assert ref.identity not in engine.cache.pinned()
     # A request cancelled while still queued ends cancelled; its neighbours are unaffected.
     queued = [engine.submit(greedy(f"q{i}", None, PROMPTS[0], max_tokens=5)) for i in range(3)]
     queued[1].cancel()
@@ -245,16 +245,23 @@ def test_seeded_sampling_is_reproducible_inside_any_batch(engine, fleet):
     assert engine.generate(job("again", 43), timeout=60).token_ids != alone
 
 
-def test_slot_pressure_and_cold_loads(fleet):
-    """Two device slots for six adapters: admission waits for a slot, every answer is right; ten
-    simultaneous requests for one cold adapter read its blob once."""
-    eng = make_engine(fleet.base, fleet.loader, slots=2)
+def test_memory_pressure_and_cold_loads(fleet):
+    """A pool that holds the two largest of six adapters and a few KV blocks: admission waits for pages,
+    idle adapters are evicted to make room, every answer is right; ten simultaneous requests for one cold
+    adapter read its blob once."""
+    probe = make_engine(fleet.base, fleet.loader)
+    pages = sorted(probe.cache.pages_for(fleet.refs[10 + i]) for i in range(6))
+    probe.stop()
+    eng = make_engine(fleet.base, fleet.loader, pool_pages=pages[-1] + pages[-2] + 8)
     try:
         jobs = [greedy(f"s{i}", fleet.refs[10 + i], PROMPTS[i % 5], max_tokens=12) for i in range(6)]
         alone = [eng.generate(j, timeout=60).token_ids for j in jobs]
         handles = [eng.submit(j) for j in jobs]
         assert [h.result(timeout=60).token_ids for h in handles] == alone
-        assert len(eng.resident_adapters()) == 2 and eng.stats()["cache"]["slot_evictions"] >= 4
+        stats = eng.stats()
+        assert len(eng.resident_adapters()) < 6 and stats["cache"]["evictions"] >= 4
+        assert stats["admissions_waited_memory"] >= 1
+        assert stats["memory"]["kv_blocks_used"] == 0
 
         before = len(fleet.reads)
         ref = fleet.refs[20]
@@ -266,7 +273,7 @@ def test_slot_pressure_and_cold_loads(fleet):
 
 
 def test_requests_after_stop_are_answered_not_lost(fleet):
-    eng = make_engine(fleet.base, fleet.loader, slots=1)
+    eng = make_engine(fleet.base, fleet.loader)
     eng.stop()
     res = eng.submit(greedy("late", None, PROMPTS[0])).result(timeout=5)
     assert res.status == "error" and res.error_code == "engine_stopped"

@@ -1,0 +1,145 @@
+"""One pool of device memory for KV blocks and resident adapter weights (S-LoRA's unified paging).
+
+`data` is one tensor [layers, pages, page_elems]: page p of layer l is one KV block of that layer
+(K and V: [2, kv_heads, block_size, head_dim]) or a slice of an adapter's matrices for that layer. A
+page id is allocated across every layer at once, so one id is one KV block of the whole model, and an
+adapter's run of pages holds its weights for every layer at the same offsets (so one offset table per
+projection serves all layers; see lora.py).
+
+Allocation:
+- KV blocks are single pages, taken lowest id first;
+- an adapter is one contiguous run of pages, taken from the highest free run that fits (best placed
+  away from the KV end, so KV churn fragments adapter space as little as possible).
+Nothing here decides *who* gets pages: the engine (admission) and the adapter cache (residency) do.
+
+CPU memory comes from an anonymous mapping: zero-filled by the kernel and committed only where pages
+are touched, so a large `--memory-gb` costs what the workload uses. Pages are zero when first handed
+out; a page an adapter gave back holds finite weights, which is all the KV gather needs (padded rows it
+reads are masked, and must only never be NaN).
+"""
+from __future__ import annotations
+
+import mmap
+import warnings
+
+import numpy as np
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """An allocation asked for more pages than are free (nothing was allocated)."""
+
+
+class PagePool:
+    """The pool's tensor and its page allocator. Not thread-safe: the engine thread owns it."""
+
+    def __init__(self, *, num_layers: int, num_pages: int, page_elems: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        if num_pages <= 0:
+            raise ValueError("the pool needs at least one page")
+        self.num_layers, self.num_pages, self.page_elems = num_layers, num_pages, page_elems
+        self.dtype, self.device = dtype, torch.device(device)
+        numel = num_layers * num_pages * page_elems
+        if self.device.type == "cpu":
+            self._map = mmap.mmap(-1, numel * dtype.itemsize)  # zero pages, committed on first touch
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                flat = torch.frombuffer(self._map, dtype=dtype, count=numel)
+        else:
+            flat = torch.zeros(numel, dtype=dtype, device=self.device)
+        self.data = flat.view(num_layers, num_pages, page_elems)  # [L, P, E]
+        self._free = np.ones(num_pages, dtype=bool)
+        self.kv_pages = 0
+        self.adapter_pages = 0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_layers * self.page_elems * self.dtype.itemsize
+
+    @property
+    def bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def num_free(self) -> int:
+        return self.num_pages - self.kv_pages - self.adapter_pages
+
+    def layer_buffer(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s pages as one flat contiguous buffer [P * E] (what the LoRA kernels address)."""
+        return self.data[layer].view(-1)
+
+    # ---- KV blocks --------------------------------------------------------------------------------
+
+    def allocate_blocks(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError("cannot allocate a negative number of blocks")
+        if n > self.num_free:
+            raise OutOfPages(f"asked for {n} KV blocks, {self.num_free} of {self.num_pages} pages free")
+        ids = np.flatnonzero(self._free)[:n]
+        self._free[ids] = False
+        self.kv_pages += n
+        return ids.tolist()
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        ids = np.asarray(blocks, dtype=np.int64)
+        if len(ids) and (self._free[ids].any() or len(np.unique(ids)) != len(ids)):
+            raise ValueError(f"freeing KV blocks that are not allocated (double free?): {blocks}")
+        self._free[ids] = True
+        self.kv_pages -= len(ids)
+
+    # ---- adapter extents --------------------------------------------------------------------------
+
+    def largest_free_run(self) -> int:
+        runs = self._runs()
+        return int(max((e - s for s, e in runs), default=0))
+
+    def _runs(self) -> list[tuple[int, int]]:
+        """Maximal runs of free pages as (start, end)."""
+        padded = np.concatenate(([False], self._free, [False])).astype(np.int8)
+        edges = np.flatnonzero(np.diff(padded))
+        return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+
+    def allocate_extent(self, n: int) -> int | None:
+        """First page of a run of n free pages at the highest place that fits, or None."""
+        if n <= 0:
+            raise ValueError("an extent needs at least one page")
+        if n > self.num_free:
+            return None
+        for s, e in reversed(self._runs()):
+            if e - s >= n:
+                start = e - n
+                self._free[start:e] = False
+                self.adapter_pages += n
+                return start
+        return None
+
+    def free_extent(self, start: int, n: int) -> None:
+        if self._free[start:start + n].any():
+            raise ValueError(f"freeing pages {start}..{start + n - 1} that are not allocated")
+        self._free[start:start + n] = True
+        self.adapter_pages -= n
+
+
+class BlockAllocator:
+    """The KV side of the pool, with the interface the engine and tests use for KV blocks."""
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.pool.kv_pages
+
+    def allocate(self, n: int) -> list[int]:
+        return self.pool.allocate_blocks(n)
+
+    def free(self, blocks: list[int]) -> None:
+        self.pool.free_blocks(blocks)

@@ -1,0 +1,65 @@
+"""The LoRA layout of a Llama-family base, written once: which projections an adapter may target and
+their shapes. vLLM keeps this in one module; so do we — the upload validator, the capacity planner, the
+worker's adapter cache and its LoRA layers all read it from here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES  # canonical order: also the order of an adapter's pages
+BLOCK_OF = {**{m: "self_attn" for m in ATTENTION_MODULES}, **{m: "mlp" for m in MLP_MODULES}}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a decoder that LoRA and the memory arithmetic depend on."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        """From a Hugging Face config (dict), the runner's ModelConfig, or a shape manifest (all names read)."""
+
+        def get(*names, default=None):
+            for n in names:
+                v = config.get(n) if isinstance(config, dict) else getattr(config, n, None)
+                if v is not None:
+                    return v
+            return default
+
+        hidden = int(get("hidden_size"))
+        heads = int(get("num_attention_heads", "num_heads"))
+        return cls(
+            num_layers=int(get("num_hidden_layers", "num_layers")),
+            hidden_size=hidden,
+            intermediate_size=int(get("intermediate_size")),
+            num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads", "num_kv_heads", default=heads)),
+            head_dim=int(get("head_dim", default=hidden // heads)),
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of every target projection, in TARGET_MODULES order."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def peft_scale(alpha: float, rank: int, use_rslora: bool) -> float:
+    """PEFT's LoRA scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return alpha / (rank ** 0.5) if use_rslora else alpha / rank
