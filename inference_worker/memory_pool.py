@@ -82,7 +82,8 @@ class PagePool:
 
     def free_blocks(self, blocks: list[int]) -> None:
         ids = np.asarray(blocks, dtype=np.int64)
-        if len(ids) and (self._free[ids].any() or len(np.unique(ids)) != len(ids)):
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_pages or self._free[ids].any()
+                         or len(np.unique(ids)) != len(ids)):
             raise ValueError(f"freeing KV blocks that are not allocated (double free?): {blocks}")
         self._free[ids] = True
         self.kv_pages -= len(ids)

@@ -326,12 +326,12 @@ class ModelRunner:
                  max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0) -> None:
         from transformers import AutoTokenizer
 
-        if (memory_bytes is None) == (pool_pages is None):
-            raise ValueError("give the runner exactly one of memory_bytes (a budget) or pool_pages")
         self.checkpoint_dir = Path(checkpoint_dir)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.config = cfg = ModelConfig.from_dir(self.checkpoint_dir)
+        if (memory_bytes is None) == (pool_pages is None):
+            raise ValueError("give the runner exactly one of memory_bytes (a budget) or pool_pages")
         self.shape = ModelShape.from_config(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.checkpoint_dir))
         self.block_size = block_size

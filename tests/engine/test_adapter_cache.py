@@ -1,4 +1,4 @@
-"""Adapter cache: storage -> verified -> host LRU -> device slots, as the engine uses it."""
+"""Adapter cache: storage -> verified -> host LRU -> device pool, as the engine uses it."""
 import hashlib
 import threading
 import time
@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from inference_worker.adapter_cache import FAILED, LOADING, NO_SLOT, READY, AdapterCache
+from inference_worker.adapter_cache import FAILED, LOADING, NO_ROOM, READY, AdapterCache
 from inference_worker.jobs import AdapterRef
+from inference_worker.lora import NoRoom
 
 HIDDEN, LAYERS = 32, 2
 CONFIG = SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -17,22 +18,30 @@ CONFIG = SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=4, num_key_valu
 
 
 class FakeRunner:
-    """Records what lands in which slot, like ModelRunner's slot API."""
+    """Records what lands in which slot, like ModelRunner's adapter API over a pool where every adapter
+    takes one page (the real pool's arithmetic is tested in test_memory_pool.py)."""
 
     config = CONFIG
-    max_lora_slots = 2
     max_lora_rank = 16
 
-    def __init__(self):
+    def __init__(self, pages: int = 2):
         self.slots = {}
         self.loads = []
+        self.pool = SimpleNamespace(num_free=pages)
+        self.lora = SimpleNamespace(pages_for=lambda rank, targets: 1)
 
-    def load_adapter_into_slot(self, slot, weights, *, rank, scale):
+    def load_adapter(self, weights, *, rank, scale, key=""):
+        if self.pool.num_free < 1:
+            raise NoRoom("full")
+        slot = next(i for i in range(len(self.slots) + 1) if i not in self.slots)
         self.slots[slot] = (rank, scale, weights)
         self.loads.append(slot)
+        self.pool.num_free -= 1
+        return slot
 
-    def clear_slot(self, slot):
-        self.slots.pop(slot, None)
+    def unload_adapter(self, slot):
+        del self.slots[slot]
+        self.pool.num_free += 1
 
 
 def adapter_blob(seed: int, r: int = 4, modules=("q_proj", "v_proj"), shape_override=None) -> bytes:
@@ -47,8 +56,8 @@ def adapter_blob(seed: int, r: int = 4, modules=("q_proj", "v_proj"), shape_over
     return save(t)
 
 
-def ref_for(blob: bytes, key: str, r: int = 4) -> AdapterRef:
-    return AdapterRef(version_id=1, sha256=hashlib.sha256(blob).hexdigest(), storage_key=key, rank=r, alpha=8.0,
+def ref_for(blob: bytes, key: str, r: int = 4, alpha: float = 8.0) -> AdapterRef:
+    return AdapterRef(version_id=1, sha256=hashlib.sha256(blob).hexdigest(), storage_key=key, rank=r, alpha=alpha,
                       use_rslora=False, target_modules=["q_proj", "v_proj"])
 
 
@@ -79,8 +88,8 @@ def acquire_when_loaded(cache, ref, waiter, timeout=10.0):
         time.sleep(0.005)
 
 
-def make_cache(store, runner=None, **kw):
-    runner = runner or FakeRunner()
+def make_cache(store, runner=None, *, pages=2, **kw):
+    runner = runner or FakeRunner(pages)
     return AdapterCache(runner, store, **kw), runner
 
 
@@ -91,22 +100,22 @@ def test_host_lru_keeps_the_recently_used_within_its_byte_budget():
         blob = adapter_blob(ord(name))
         store.put(name, blob)
         refs[name] = ref_for(blob, name)
-    cache, runner = make_cache(store, host_cache_bytes=10**9, num_slots=1)
+    cache, runner = make_cache(store, host_cache_bytes=10**9, pages=1)
     got = acquire_when_loaded(cache, refs["A"], "w-A")
     per_adapter = cache.stats()["host_bytes"]
     assert per_adapter > 0 and got.state == READY
-    cache.release(refs["A"].sha256)
+    cache.release(refs["A"].identity)
     cache.close()
 
-    cache, runner = make_cache(store, host_cache_bytes=int(2.5 * per_adapter), num_slots=1)
+    cache, runner = make_cache(store, host_cache_bytes=int(2.5 * per_adapter), pages=1)
     for name in "AB":
         acquire_when_loaded(cache, refs[name], f"w-{name}")
-        cache.release(refs[name].sha256)
+        cache.release(refs[name].identity)
     acquire_when_loaded(cache, refs["A"], "w-A2")  # A is now the most recently used
-    cache.release(refs["A"].sha256)
+    cache.release(refs["A"].identity)
     acquire_when_loaded(cache, refs["C"], "w-C")
-    cache.release(refs["C"].sha256)
-    assert cache.host_resident() == [refs["A"].sha256, refs["C"].sha256]  # B, least recent, went
+    cache.release(refs["C"].identity)
+    assert cache.host_resident() == [refs["A"].identity, refs["C"].identity]  # B, least recent, went
     assert cache.stats()["host_bytes"] <= 2.5 * per_adapter
     assert cache.stats()["host_evictions"] == 1
     # A second request for a cached version is free: no storage read.
@@ -116,26 +125,26 @@ def test_host_lru_keeps_the_recently_used_within_its_byte_budget():
     cache.close()
 
 
-def test_pinned_adapters_are_never_evicted_and_admission_waits_for_a_slot():
+def test_pinned_adapters_are_never_evicted_and_admission_waits_for_room():
     store = Store()
     refs = {}
     for name in "ABC":
         blob = adapter_blob(ord(name))
         store.put(name, blob)
         refs[name] = ref_for(blob, name)
-    cache, runner = make_cache(store, num_slots=2)
+    cache, runner = make_cache(store, pages=2)
     a = acquire_when_loaded(cache, refs["A"], "a")
     b = acquire_when_loaded(cache, refs["B"], "b")
     assert {a.slot, b.slot} == {0, 1}
     for _ in range(3):  # asking again and again changes nothing while both are in use
-        assert acquire_when_loaded(cache, refs["C"], "c").state == NO_SLOT
-    assert set(cache.resident()) == {refs["A"].sha256, refs["B"].sha256}
+        assert acquire_when_loaded(cache, refs["C"], "c").state == NO_ROOM
+    assert set(cache.resident()) == {refs["A"].identity, refs["B"].identity}
     assert runner.loads == [a.slot, b.slot]
-    cache.release(refs["A"].sha256)
+    cache.release(refs["A"].identity)
     c = cache.acquire(refs["C"], "c")
-    assert c.state == READY and c.slot == a.slot  # took the slot A freed, B untouched
-    assert set(cache.resident()) == {refs["B"].sha256, refs["C"].sha256}
-    assert cache.stats()["slot_evictions"] == 1
+    assert c.state == READY and c.slot == a.slot  # took the room A freed, B untouched
+    assert set(cache.resident()) == {refs["B"].identity, refs["C"].identity}
+    assert cache.stats()["evictions"] == 1
     assert runner.slots[c.slot][1] == pytest.approx(8.0 / 4)  # scale alpha/r handed to the runner
     cache.close()
 
@@ -153,7 +162,7 @@ def test_a_corrupted_blob_fails_only_its_own_requests():
     assert results["g1"].state == READY
     for w in ("b1", "b2"):
         assert results[w].state == FAILED and results[w].error_code == "adapter_integrity_error"
-    assert bad_ref.sha256 not in cache.resident() and bad_ref.sha256 not in cache.host_resident()
+    assert bad_ref.identity not in cache.resident() and bad_ref.identity not in cache.host_resident()
     assert len(runner.loads) == 1  # nothing of the bad blob reached a slot
 
 
@@ -202,7 +211,7 @@ def test_ten_concurrent_requests_for_a_cold_adapter_make_one_load():
     slots = {acquire_when_loaded(cache, ref, f"w{i}").slot for i in range(10)}
     assert len(slots) == 1
     assert store.reads == ["k"] and cache.stats()["cold_loads"] == 1 and len(runner.loads) == 1
-    assert cache.pinned() == {ref.sha256: 10}
+    assert cache.pinned() == {ref.identity: 10}
 
 
 def test_a_mapped_blob_on_disk_loads_the_same_weights_and_a_hostile_header_is_refused(tmp_path):
@@ -238,3 +247,39 @@ def test_a_mapped_blob_on_disk_loads_the_same_weights_and_a_hostile_header_is_re
     (tmp_path / "empty").write_bytes(b"")
     got = acquire_when_loaded(cache, ref_for(b"", "empty"), "w2")
     assert got.state == FAILED and got.error_code == "adapter_load_failed"
+
+
+def test_the_same_weights_with_another_config_are_another_adapter():
+    """Issue 12: two tenants upload the same safetensors bytes with different lora_alpha. The cache keys by
+    identity (weights + config), so each is loaded with its own scale; neither serves the other's."""
+    store = Store()
+    blob = adapter_blob(7)
+    store.put("tenant-a", blob)
+    store.put("tenant-b", blob)
+    a, b = ref_for(blob, "tenant-a", alpha=8.0), ref_for(blob, "tenant-b", alpha=64.0)
+    assert a.sha256 == b.sha256 and a.identity != b.identity
+    cache, runner = make_cache(store)
+    got_b = acquire_when_loaded(cache, b, "b")  # B first, on a fresh worker
+    got_a = acquire_when_loaded(cache, a, "a")
+    assert got_a.slot != got_b.slot
+    assert runner.slots[got_b.slot][1] == pytest.approx(64.0 / 4)
+    assert runner.slots[got_a.slot][1] == pytest.approx(8.0 / 4)
+    assert set(cache.resident()) == {a.identity, b.identity}
+
+
+def test_reclaim_evicts_idle_adapters_only():
+    """The KV cache asks for pages: idle adapters give theirs back (least recently used first); a pinned
+    adapter never does."""
+    store = Store()
+    refs = {}
+    for name in "AB":
+        blob = adapter_blob(ord(name))
+        store.put(name, blob)
+        refs[name] = ref_for(blob, name)
+    cache, runner = make_cache(store, pages=2)
+    acquire_when_loaded(cache, refs["A"], "a")
+    acquire_when_loaded(cache, refs["B"], "b")
+    cache.release(refs["A"].identity)
+    assert runner.pool.num_free == 0
+    assert cache.reclaim(1) is True and cache.resident() == [refs["B"].identity]
+    assert cache.reclaim(2) is False and cache.resident() == [refs["B"].identity]  # B is pinned

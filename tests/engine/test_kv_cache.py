@@ -3,13 +3,19 @@ import pytest
 import torch
 
 from inference_worker.kv_cache import BlockAllocator, OutOfBlocks, blocks_needed
+from inference_worker.memory_pool import PagePool
 from inference_worker.model import ModelRunner, SeqStep
 
 PROMPT = [17, 120, 45, 301, 9, 77, 250, 13, 88, 402, 5, 66, 140, 233]
 
 
+def allocator(num_pages: int) -> BlockAllocator:
+    return BlockAllocator(PagePool(num_layers=1, num_pages=num_pages, page_elems=16, dtype=torch.float32,
+                                   device="cpu"))
+
+
 def test_allocator_hands_out_distinct_blocks_and_takes_them_back():
-    alloc = BlockAllocator(10)
+    alloc = allocator(10)
     a, b = alloc.allocate(3), alloc.allocate(4)
     assert len(set(a) | set(b)) == 7 and all(0 <= x < 10 for x in a + b)
     assert (alloc.num_free, alloc.num_used) == (3, 7)
@@ -21,7 +27,7 @@ def test_allocator_hands_out_distinct_blocks_and_takes_them_back():
 
 
 def test_allocator_refuses_more_than_is_free_without_allocating_anything():
-    alloc = BlockAllocator(4)
+    alloc = allocator(4)
     alloc.allocate(3)
     with pytest.raises(OutOfBlocks):
         alloc.allocate(2)
@@ -32,7 +38,7 @@ def test_allocator_refuses_more_than_is_free_without_allocating_anything():
 
 
 def test_double_free_and_foreign_blocks_are_refused():
-    alloc = BlockAllocator(4)
+    alloc = allocator(4)
     blocks = alloc.allocate(2)
     alloc.free(blocks)
     with pytest.raises(ValueError):
@@ -47,7 +53,7 @@ def test_blocks_needed_rounds_up():
 
 
 def test_sequences_of_different_lengths_share_one_pool_with_interleaved_and_reused_blocks(tiny_llama):
-    runner = ModelRunner(tiny_llama, num_kv_blocks=14, block_size=4, enable_lora=False)
+    runner = ModelRunner(tiny_llama, pool_pages=14, block_size=4, enable_lora=False)
     alloc = runner.kv.allocator
     prompts = [PROMPT, PROMPT[:3], (PROMPT * 2)[:25]]
 
@@ -81,7 +87,7 @@ def test_sequences_of_different_lengths_share_one_pool_with_interleaved_and_reus
 
 
 def test_a_step_beyond_its_block_table_or_the_context_is_refused(tiny_llama):
-    runner = ModelRunner(tiny_llama, num_kv_blocks=8, block_size=4, enable_lora=False)
+    runner = ModelRunner(tiny_llama, pool_pages=8, block_size=4, enable_lora=False)
     blocks = runner.kv.allocator.allocate(2)  # room for 8 positions
     with pytest.raises(ValueError, match="block table"):
         runner.forward([SeqStep(blocks, 0, PROMPT[:9], -1)])
@@ -94,9 +100,9 @@ def test_a_step_beyond_its_block_table_or_the_context_is_refused(tiny_llama):
 def test_whole_block_gather_equals_the_row_gather_of_the_same_positions():
     from inference_worker.kv_cache import PagedKVCache
 
-    kv = PagedKVCache(num_layers=1, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=3,
-                      dtype=torch.float32, device="cpu")
-    kv.kv[0].copy_(torch.randn_like(kv.kv[0]))
+    pool = PagePool(num_layers=1, num_pages=12, page_elems=2 * 2 * 4 * 3, dtype=torch.float32, device="cpu")
+    kv = PagedKVCache(pool, block_size=4, num_kv_heads=2, head_dim=3)
+    pool.data.copy_(torch.randn_like(pool.data))
     tables = torch.tensor([[7, 2, 9], [0, 11, 4]])
     k_b, v_b = kv.gather_blocks(0, tables)  # [2, 2, 12, 3]
     rows = torch.tensor([[int(t) * 4 + o for t in table for o in range(4)] for table in tables])

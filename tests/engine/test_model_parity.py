@@ -62,15 +62,15 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def load_peft_into(runner: ModelRunner, slot: int, adapter_dir) -> None:
+def load_peft_into(runner: ModelRunner, adapter_dir) -> int:
+    """Place a PEFT adapter folder in the runner's pool; returns its slot."""
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    runner.load_adapter_into_slot(slot, weights, rank=cfg["r"],
-                                  scale=peft_scale(cfg["lora_alpha"], cfg["r"], cfg["use_rslora"]))
+    return runner.load_adapter(weights, rank=cfg["r"], scale=peft_scale(cfg["lora_alpha"], cfg["r"], cfg["use_rslora"]))
 
 
 def test_prefill_and_decode_logits_match_transformers(tiny_base):
-    runner = ModelRunner(tiny_base, num_kv_blocks=32)
+    runner = ModelRunner(tiny_base, pool_pages=256)
     model = hf_model(tiny_base)
     seq = Seq(runner, len(PROMPT) + 21)
     ours = runner.forward([seq.step(PROMPT)])[0]
@@ -89,7 +89,7 @@ def test_prefill_and_decode_logits_match_transformers(tiny_base):
 
 
 def test_greedy_tokens_match_transformers_for_32_steps(tiny_base):
-    runner = ModelRunner(tiny_base, num_kv_blocks=32, enable_lora=False)
+    runner = ModelRunner(tiny_base, pool_pages=256, enable_lora=False)
     theirs = hf_greedy(hf_model(tiny_base), PROMPT, 32)
     assert len(theirs) == 32
     assert greedy(runner, PROMPT, 32) == theirs
@@ -117,16 +117,16 @@ def test_peft_adapter_greedy_tokens_match_peft_generate(request, tmp_path, arch,
     peft_model = PeftModel.from_pretrained(hf_model(base), str(adapter)).eval()
     theirs = hf_greedy(peft_model, PROMPT, 32)
 
-    runner = ModelRunner(base, num_kv_blocks=32, max_lora_slots=4, max_lora_rank=64)
-    load_peft_into(runner, 2, adapter)
-    ours = greedy(runner, PROMPT, 32, slot=2)
+    runner = ModelRunner(base, pool_pages=256, max_lora_rank=64)
+    slot = load_peft_into(runner, adapter)
+    ours = greedy(runner, PROMPT, 32, slot=slot)
     assert ours == theirs
     # The adapter really changes the output (a zero adapter would pass the line above vacuously).
     assert ours != greedy(runner, PROMPT, 32, slot=-1)
 
 
 def test_chunked_prefill_gives_the_same_logits(tiny_base):
-    runner = ModelRunner(tiny_base, num_kv_blocks=32)
+    runner = ModelRunner(tiny_base, pool_pages=256)
     prompt = (PROMPT * 3)[:40]
     whole = Seq(runner, 41)
     expected = runner.forward([whole.step(prompt)])
@@ -142,11 +142,12 @@ def test_chunked_prefill_gives_the_same_logits(tiny_base):
 
 
 def test_sequences_on_different_slots_in_one_forward_equal_each_alone(tiny_llama, tmp_path):
-    runner = ModelRunner(tiny_llama, num_kv_blocks=64, max_lora_slots=4, max_lora_rank=32)
-    load_peft_into(runner, 0, make_random_peft_adapter(tiny_llama, tmp_path / "a", r=8, target_modules=ALL_TARGETS))
-    load_peft_into(runner, 3, make_random_peft_adapter(tiny_llama, tmp_path / "b", r=32, alpha=8, seed=5,
-                                                       target_modules=("q_proj", "down_proj")))
-    prompts = {0: PROMPT[:9], 3: PROMPT[3:], -1: PROMPT[::-1]}
+    runner = ModelRunner(tiny_llama, pool_pages=512, max_lora_rank=32)
+    s0 = load_peft_into(runner, make_random_peft_adapter(tiny_llama, tmp_path / "a", r=8, target_modules=ALL_TARGETS))
+    s1 = load_peft_into(runner, make_random_peft_adapter(tiny_llama, tmp_path / "b", r=32, alpha=8, seed=5,
+                                                         target_modules=("q_proj", "down_proj")))
+    assert (s0, s1) == (0, 1)
+    prompts = {0: PROMPT[:9], 1: PROMPT[3:], -1: PROMPT[::-1]}
 
     def history(slot: int) -> tuple[Seq, list[SeqStep]]:
         """A fresh sequence and its steps: prefill, then 3 decode tokens (fixed ids)."""
@@ -162,7 +163,7 @@ def test_sequences_on_different_slots_in_one_forward_equal_each_alone(tiny_llama
 
     # Together: slot 0 and 3 start decoding while slot -1 is still prefilling (mixed prefill + decode).
     seqs = {slot: history(slot) for slot in prompts}
-    plan = [[(0, 0), (3, 0)], [(0, 1), (3, 1), (-1, 0)], [(3, 2), (-1, 1), (0, 2)], [(-1, 2), (0, 3), (3, 3)],
+    plan = [[(0, 0), (1, 0)], [(0, 1), (1, 1), (-1, 0)], [(1, 2), (-1, 1), (0, 2)], [(-1, 2), (0, 3), (1, 3)],
             [(-1, 3)]]
     for batch in plan:
         logits = runner.forward([seqs[slot][1][i] for slot, i in batch])
@@ -172,19 +173,20 @@ def test_sequences_on_different_slots_in_one_forward_equal_each_alone(tiny_llama
 
 
 def test_base_tokens_on_an_adapter_runner_equal_a_lora_free_runner(tiny_qwen2, tmp_path):
-    with_lora = ModelRunner(tiny_qwen2, num_kv_blocks=16)
-    load_peft_into(with_lora, 1, make_random_peft_adapter(tiny_qwen2, tmp_path / "a", target_modules=ALL_TARGETS))
-    without = ModelRunner(tiny_qwen2, num_kv_blocks=16, enable_lora=False)
+    with_lora = ModelRunner(tiny_qwen2, pool_pages=256)
+    load_peft_into(with_lora, make_random_peft_adapter(tiny_qwen2, tmp_path / "a", target_modules=ALL_TARGETS))
+    without = ModelRunner(tiny_qwen2, pool_pages=256, enable_lora=False)
     assert greedy(with_lora, PROMPT, 16) == greedy(without, PROMPT, 16)
     with pytest.raises(RuntimeError):
-        without.load_adapter_into_slot(0, {}, rank=8, scale=1.0)
+        without.load_adapter({}, rank=8, scale=1.0)
 
 
-def test_bad_adapters_are_refused_and_leave_the_slot_untouched(tiny_llama, tmp_path):
-    runner = ModelRunner(tiny_llama, num_kv_blocks=16, max_lora_slots=2, max_lora_rank=16)
+def test_bad_adapters_are_refused_and_leave_the_pool_untouched(tiny_llama, tmp_path):
+    runner = ModelRunner(tiny_llama, pool_pages=256, max_lora_rank=16)
     adapter = make_random_peft_adapter(tiny_llama, tmp_path / "a", r=8)
-    load_peft_into(runner, 0, adapter)
-    before = greedy(runner, PROMPT, 8, slot=0)
+    slot = load_peft_into(runner, adapter)
+    before = greedy(runner, PROMPT, 8, slot=slot)
+    free = runner.pool.num_free
     good = load_file(str(adapter / "adapter_model.safetensors"))
     name = next(k for k in good if "lora_A" in k)
     bad_cases = [
@@ -195,13 +197,14 @@ def test_bad_adapters_are_refused_and_leave_the_slot_untouched(tiny_llama, tmp_p
     ]
     for bad in bad_cases:
         with pytest.raises(ValueError):
-            runner.load_adapter_into_slot(0, bad, rank=8, scale=2.0)
+            runner.load_adapter(bad, rank=8, scale=2.0)
     with pytest.raises(ValueError):
-        runner.load_adapter_into_slot(0, good, rank=32, scale=2.0)  # over max_lora_rank
-    assert greedy(runner, PROMPT, 8, slot=0) == before
-    runner.clear_slot(0)
-    with pytest.raises(ValueError, match="empty"):
-        runner.forward([Seq(runner, 16, slot=0).step(PROMPT)])
+        runner.load_adapter(good, rank=32, scale=2.0)  # over max_lora_rank
+    assert runner.pool.num_free == free  # nothing allocated by a refused adapter
+    assert greedy(runner, PROMPT, 8, slot=slot) == before
+    runner.unload_adapter(slot)
+    with pytest.raises(ValueError, match="holds no adapter"):
+        runner.forward([Seq(runner, 16, slot=slot).step(PROMPT)])
 
 
 @pytest.mark.parametrize("rope", [
@@ -215,7 +218,7 @@ def test_rope_scaling_matches_transformers(tiny_llama, tmp_path, rope):
     cfg = json.loads((path / "config.json").read_text())
     cfg["rope_parameters"] = rope
     (path / "config.json").write_text(json.dumps(cfg))
-    runner = ModelRunner(path, num_kv_blocks=32, enable_lora=False)
+    runner = ModelRunner(path, pool_pages=256, enable_lora=False)
     prompt = (PROMPT * 10)[:120]  # positions far enough for low frequencies to matter
     ours = runner.forward([Seq(runner, 120).step(prompt)])[0]
     with torch.no_grad():
@@ -239,7 +242,7 @@ def test_mistral_sliding_window_matches_transformers(tiny_mistral, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["sliding_window"] = 8
     (path / "config.json").write_text(json.dumps(cfg))
-    runner = ModelRunner(path, num_kv_blocks=32, enable_lora=False)
+    runner = ModelRunner(path, pool_pages=256, enable_lora=False)
     model = hf_model(path)
     prompt = (PROMPT * 3)[:30]
     seq = Seq(runner, 40)
@@ -275,38 +278,39 @@ def test_make_tiny_base_writes_a_deterministic_checkpoint_that_transformers_load
     chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None and tok.bos_token is not None
-    assert tok.eos_token_id in ModelRunner(tmp_path / "a", num_kv_blocks=4).config.eos_token_ids
+    assert tok.eos_token_id in ModelRunner(tmp_path / "a", pool_pages=256).config.eos_token_ids
 
 
-def test_reloading_a_slot_leaves_nothing_of_the_previous_adapter(tiny_mistral, tmp_path):
+def test_reused_pages_leave_nothing_of_their_previous_owner(tiny_mistral, tmp_path):
+    """Pages go from adapter to adapter and from KV cache to adapter: an adapter placed on them computes
+    exactly what it computes on a fresh pool (every byte it does not write is zeroed)."""
     big = make_random_peft_adapter(tiny_mistral, tmp_path / "big", r=32, target_modules=ALL_TARGETS, seed=1)
     small = make_random_peft_adapter(tiny_mistral, tmp_path / "small", r=4, target_modules=("v_proj",), seed=2)
     other = make_random_peft_adapter(tiny_mistral, tmp_path / "other", r=8, target_modules=ALL_TARGETS, seed=3)
 
-    def run(runner: ModelRunner) -> torch.Tensor:
-        # slot 0 targets every projection, so every projection runs for slot 1's tokens too
-        return runner.forward([Seq(runner, 16, slot=0).step(PROMPT), Seq(runner, 16, slot=1).step(PROMPT)])
+    def run(runner: ModelRunner, a: int, b: int) -> torch.Tensor:
+        # `a` targets every projection, so every projection runs for `b`'s tokens too
+        seqs = [Seq(runner, 16, slot=a), Seq(runner, 16, slot=b)]
+        out = runner.forward([seqs[0].step(PROMPT), seqs[1].step(PROMPT)])
+        for s in seqs:
+            s.free()
+        return out
 
-    fresh = ModelRunner(tiny_mistral, num_kv_blocks=8, max_lora_slots=2, max_lora_rank=32)
-    load_peft_into(fresh, 0, other)
-    load_peft_into(fresh, 1, small)
-    reused = ModelRunner(tiny_mistral, num_kv_blocks=8, max_lora_slots=2, max_lora_rank=32)
-    load_peft_into(reused, 0, other)
-    load_peft_into(reused, 1, big)
-    load_peft_into(reused, 1, small)
-    torch.testing.assert_close(run(reused), run(fresh), atol=1e-5, rtol=0)
+    fresh = ModelRunner(tiny_mistral, pool_pages=160, max_lora_rank=32)
+    expected = run(fresh, load_peft_into(fresh, other), load_peft_into(fresh, small))
 
-    # The slot pools themselves are bit-identical to a never-used slot's: a load zeroes only what the
-    # new adapter does not overwrite (a smaller rank, a projection it does not target), and nothing else.
-    def same_slot(a: ModelRunner, b: ModelRunner, slot: int) -> bool:
-        return all(torch.equal(x[slot], y[slot]) for pool in ("a", "b") for proj in getattr(a.lora, pool)
-                   for x, y in zip(getattr(a.lora, pool)[proj], getattr(b.lora, pool)[proj]))
-
-    assert same_slot(reused, fresh, 1)
-    load_peft_into(fresh, 1, other)
-    load_peft_into(reused, 1, big)
-    load_peft_into(reused, 1, other)  # same targets, rank 32 -> 8: only ranks 8..31 are zeroed
-    assert same_slot(reused, fresh, 1)
+    reused = ModelRunner(tiny_mistral, pool_pages=160, max_lora_rank=32)
+    # Fill the pool's pages with KV data, then with a big adapter, then give them back.
+    kv = Seq(reused, reused.pool.num_pages * reused.block_size)
+    reused.forward([kv.step((PROMPT * 40)[:reused.config.max_position_embeddings - 1])])
+    kv.free()
+    s_other = load_peft_into(reused, other)
+    s_big = load_peft_into(reused, big)
+    run(reused, s_other, s_big)
+    reused.unload_adapter(s_big)
+    s_small = load_peft_into(reused, small)
+    assert s_small == s_big  # the slot and (highest run first) the pages the big adapter held
+    torch.testing.assert_close(run(reused, s_other, s_small), expected, atol=1e-5, rtol=0)
 
 
 def test_llama_with_attention_bias_matches_transformers(tiny_llama, tmp_path):
@@ -324,7 +328,7 @@ def test_llama_with_attention_bias_matches_transformers(tiny_llama, tmp_path):
             out_features = weights[f"model.layers.{i}.self_attn.{proj}.weight"].shape[0]
             weights[f"model.layers.{i}.self_attn.{proj}.bias"] = 0.5 * torch.randn(out_features, generator=gen)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    runner = ModelRunner(path, num_kv_blocks=8, enable_lora=False)
+    runner = ModelRunner(path, pool_pages=256, enable_lora=False)
     ours = runner.forward([Seq(runner, 16).step(PROMPT)])[0]
     with torch.no_grad():
         theirs = hf_model(path)(torch.tensor([PROMPT])).logits[0, -1]
