@@ -18,9 +18,12 @@ VAR_DIR = Path(env_str("LORAFLEET_VAR_DIR", str(BASE_DIR / "var"))).resolve()
 VAR_DIR.mkdir(parents=True, exist_ok=True)  # the embedded default keeps everything here
 
 DEBUG = env_bool("DJANGO_DEBUG", default=False)
+# The production switch (docker-compose.yml sets it): refuses the embedded default secret, serves only HTTPS
+# behind a TLS-terminating proxy (see "production: HTTPS" below) and keeps /metrics closed without a token.
+LORAFLEET_PRODUCTION = env_bool("LORAFLEET_PRODUCTION", default=False)
 _DEV_SECRET = "insecure-embedded-default-only-never-in-production"
 SECRET_KEY = env_str("DJANGO_SECRET_KEY", _DEV_SECRET)
-if not DEBUG and SECRET_KEY == _DEV_SECRET and env_bool("LORAFLEET_PRODUCTION", default=False):
+if not DEBUG and SECRET_KEY == _DEV_SECRET and LORAFLEET_PRODUCTION:
     raise ImproperlyConfigured("Set the DJANGO_SECRET_KEY environment variable (LORAFLEET_PRODUCTION=1).")
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
@@ -47,7 +50,23 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "gateway.middleware.ApiErrorsMiddleware",  # /v1/: JSON errors, 503 database_unavailable
+    "gateway.middleware.LoginThrottleMiddleware",  # dashboard and admin logins: lockout after repeated failures
 ]
+
+# --- production: HTTPS ------------------------------------------------------------------------
+# `manage.py check --deploy` prints no warnings in production (tests/foundation/test_deploy_settings.py).
+# The web process speaks plain HTTP behind a TLS-terminating proxy that must *set* (not pass through)
+# X-Forwarded-Proto; requests without `https` there are redirected, cookies are Secure-only, and HSTS is sent.
+# /metrics is exempt from the redirect: Prometheus scrapes web over the compose network, with its token.
+if LORAFLEET_PRODUCTION:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", default=True)
+    SECURE_REDIRECT_EXEMPT = [r"^metrics$"]
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = env_int("DJANGO_SECURE_HSTS_SECONDS", 365 * 24 * 3600)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", default=True)
+    SECURE_HSTS_PRELOAD = env_bool("DJANGO_SECURE_HSTS_PRELOAD", default=True)
 
 ROOT_URLCONF = "config.urls"
 WSGI_APPLICATION = "config.wsgi.application"
@@ -200,8 +219,23 @@ LORAFLEET_DEFAULT_MAX_RANK = env_int("LORAFLEET_DEFAULT_MAX_RANK", 64)
 LORAFLEET_REQUEST_TIMEOUT_S = env_float("LORAFLEET_REQUEST_TIMEOUT_S", 60.0)
 LORAFLEET_MAX_TOKENS_CAP = env_int("LORAFLEET_MAX_TOKENS_CAP", 1024)
 LORAFLEET_WORKER_CONCURRENCY = env_int("LORAFLEET_WORKER_CONCURRENCY", 64)
+# The worker's memory budget in GB (base weights + workspace + the one pool of KV blocks and adapters);
+# unset: 0.90 of the device on CUDA, a quarter of RAM on CPU (run_worker --memory-fraction / --memory-gb).
+LORAFLEET_WORKER_MEMORY_GB = env_float("LORAFLEET_WORKER_MEMORY_GB", 0.0) or None
 # deliveries of one job before it is answered `worker_lost` (a request that kills workers must end)
 LORAFLEET_MAX_ATTEMPTS = env_int("LORAFLEET_MAX_ATTEMPTS", 3)
+
+# /metrics (gateway/metrics.py) answers only `Authorization: Bearer <LORAFLEET_METRICS_TOKEN>`. In production
+# an unset (or empty) token closes the endpoint: 404, as if it did not exist. The embedded default uses the
+# documented development token below. Per-tenant series (tenant slugs as label values) are opt-in.
+LORAFLEET_DEV_METRICS_TOKEN = "lorafleet-dev-metrics-token"
+LORAFLEET_METRICS_TOKEN = env_str("LORAFLEET_METRICS_TOKEN", "" if LORAFLEET_PRODUCTION else LORAFLEET_DEV_METRICS_TOKEN)
+LORAFLEET_METRICS_TENANT_LABELS = env_bool("LORAFLEET_METRICS_TENANT_LABELS", default=False)
+
+# Dashboard and admin logins (gateway/login_limits.py): after this many failed attempts for one username from
+# one client address, that pair is refused (429) for the lockout, correct password or not.
+LORAFLEET_LOGIN_MAX_FAILURES = env_int("LORAFLEET_LOGIN_MAX_FAILURES", 5)
+LORAFLEET_LOGIN_LOCKOUT_S = env_int("LORAFLEET_LOGIN_LOCKOUT_S", 15 * 60)
 
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",

@@ -59,7 +59,7 @@ def generate(self, job_dict: dict, meta: dict) -> None:
                                                   f"({runtime.base_sha256[:12]}), not {meta['base_sha256'][:12]}"),
                      "base_mismatch")
     if job.adapter is not None:
-        runtime.adapter_names[job.adapter.sha256] = job.adapter.name
+        runtime.adapter_names[job.adapter.identity] = job.adapter.name
     try:
         result = _run(job, meta, runtime, channel, deadline)
     except Exception as exc:  # never leave the web waiting for nothing

@@ -38,7 +38,7 @@ class WorkerRuntime:
     concurrency: int
     metrics_port: int | None = None
     started_at: float = field(default_factory=time.time)
-    adapter_names: dict[str, str] = field(default_factory=dict)  # sha256 -> "name@N", for worker_status
+    adapter_names: dict[str, str] = field(default_factory=dict)  # identity -> "name@N", for worker_status
     tasks_done: dict[str, int] = field(default_factory=dict)  # outcome -> count
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -49,13 +49,20 @@ class WorkerRuntime:
     def status(self) -> dict:
         stats = self.engine.stats()
         resident = list(stats.get("resident_adapters") or [])
+        cache = self.engine.cache
+        sha_of = cache.resident_sha256() if cache is not None else {}
+        counters = stats.get("cache") or {}
         return {
             "worker_id": self.worker_id, "base": self.base_slug, "base_sha256": self.base_sha256, "queue": self.queue,
             "host": socket.gethostname(), "pid": os.getpid(), "device": self.device, "concurrency": self.concurrency,
             "metrics_port": self.metrics_port, "started_at": self.started_at, "seen_at": time.time(),
             "running": stats.get("running", 0), "queue_depth": stats.get("queue_depth", 0),
             "steps": stats.get("steps", 0), "tokens_generated": stats.get("tokens_generated", 0),
-            "resident_adapters": [{"sha256": sha, "name": self.adapter_names.get(sha, "")} for sha in resident],
+            "resident_adapters": [{"identity": ident, "sha256": sha_of.get(ident, ""),
+                                   "name": self.adapter_names.get(ident, "")} for ident in resident],
+            "memory": {**(stats.get("memory") or {}), "evictions": counters.get("evictions", 0),
+                       "device_loads": counters.get("device_loads", 0), "cold_loads": counters.get("cold_loads", 0),
+                       "admissions_waited_memory": stats.get("admissions_waited_memory", 0)},
             "tasks": dict(self.tasks_done),
         }
 
@@ -78,8 +85,39 @@ _runtime: WorkerRuntime | None = None
 _runtime_lock = threading.Lock()
 
 
+CPU_MEMORY_SHARE = 0.25  # the CPU default budget: a quarter of physical RAM (the web, the OS, tests keep the rest)
+CUDA_MEMORY_FRACTION = 0.90  # the CUDA default: 0.90 of the device's total memory
+
+
+def memory_budget(device: str, *, memory_fraction: float | None = None, memory_gb: float | None = None) -> int:
+    """The worker's memory budget in bytes: base weights + activation workspace + the one pool.
+
+    CUDA: `memory_fraction` (default 0.90) of the device's total memory (torch.cuda.mem_get_info), or
+    `memory_gb`. CPU: `memory_gb`, default CPU_MEMORY_SHARE of physical RAM. GB = 10**9 bytes."""
+    import torch
+
+    if memory_gb is not None:
+        if memory_gb <= 0:
+            raise ValueError("--memory-gb must be positive")
+        return int(memory_gb * 10**9)
+    if torch.device(device).type == "cuda":
+        fraction = CUDA_MEMORY_FRACTION if memory_fraction is None else memory_fraction
+        if not 0 < fraction <= 1:
+            raise ValueError("--memory-fraction must be in (0, 1]")
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        budget = int(fraction * total)
+        if budget > free:
+            raise ValueError(f"--memory-fraction {fraction} asks for {budget / 1e9:.1f} GB but only {free / 1e9:.1f} GB "
+                             f"of the device's {total / 1e9:.1f} GB are free (another process holds the rest)")
+        return budget
+    if memory_fraction is not None:
+        raise ValueError("--memory-fraction is for CUDA devices; on CPU give --memory-gb")
+    return int(CPU_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_path: str, device: str | None = None,
-                  concurrency: int = 64, max_lora_slots: int = 8, max_lora_rank: int = 64) -> WorkerRuntime:
+                  concurrency: int = 64, max_lora_rank: int = 64, memory_fraction: float | None = None,
+                  memory_gb: float | None = None, prefill_chunk: int = 256) -> WorkerRuntime:
     """Load the base once and start the engine; the process-wide singleton every task uses."""
     global _runtime
     import torch
@@ -92,14 +130,19 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
             return _runtime
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         started = time.perf_counter()
-        runner = ModelRunner(checkpoint_path, device=device, max_lora_slots=max_lora_slots, max_lora_rank=max_lora_rank)
-        engine = Engine(runner, load_blob, max_running=concurrency)  # the engine verifies each blob's sha256
+        budget = memory_budget(device, memory_fraction=memory_fraction, memory_gb=memory_gb)
+        runner = ModelRunner(checkpoint_path, device=device, max_lora_rank=max_lora_rank, memory_bytes=budget,
+                             max_running=concurrency, max_batch_tokens=prefill_chunk + concurrency)
+        # the engine verifies each blob's sha256
+        engine = Engine(runner, load_blob, max_running=concurrency, prefill_chunk=prefill_chunk)
         engine.start()
         _runtime = WorkerRuntime(base_slug=base_slug, base_sha256=base_sha256, queue=queue,
                                  checkpoint_path=str(checkpoint_path), engine=engine,
                                  worker_id=make_worker_id(base_slug), device=device, concurrency=concurrency)
-        log.info("worker %s: base %s loaded on %s in %.1f s", _runtime.worker_id, base_slug, device,
-                 time.perf_counter() - started)
+        m = runner.memory
+        log.info("worker %s: base %s loaded on %s in %.1f s; budget %.2f GB = weights %.2f + workspace %.2f + "
+                 "pool %d pages x %.2f MB", _runtime.worker_id, base_slug, device, time.perf_counter() - started,
+                 m.budget_bytes / 1e9, m.weights_bytes / 1e9, m.workspace_bytes / 1e9, m.num_pages, m.page_bytes / 1e6)
         return _runtime
 
 
@@ -114,8 +157,10 @@ def get_runtime() -> WorkerRuntime:
     from adapters.models import BaseModel
 
     base = BaseModel.objects.get(slug=slug)
+    gb = os.environ.get("LORAFLEET_WORKER_MEMORY_GB")
     return build_runtime(base_slug=base.slug, base_sha256=base.sha256, queue=base.queue_name,
-                         checkpoint_path=base.checkpoint_path, max_lora_rank=base.max_lora_rank)
+                         checkpoint_path=base.checkpoint_path, max_lora_rank=base.max_lora_rank,
+                         memory_gb=float(gb) if gb else None)
 
 
 def set_runtime(runtime: WorkerRuntime | None) -> None:
@@ -176,11 +221,28 @@ class EngineCollector:
         yield counter("cache_hits", "Adapter cache hits.", cache.get("hits"))
         yield counter("cache_misses", "Adapter cold loads (storage -> verified -> slot).", cache.get("cold_loads"))
         yield counter("cache_load_failures", "Adapter loads that failed (integrity or format).", cache.get("load_failures"))
-        yield counter("cache_evictions", "Adapters evicted from device slots.", cache.get("slot_evictions"))
+        yield counter("cache_evictions", "Adapters evicted from the device pool.", cache.get("evictions"))
+        yield counter("cache_device_loads", "Adapters placed in the device pool.", cache.get("device_loads"))
         yield counter("cache_host_evictions", "Adapters evicted from the host cache.", cache.get("host_evictions"))
         yield counter("cold_load_seconds", "Seconds spent reading, verifying and parsing adapters.",
                       cache.get("load_seconds"))
-        yield gauge("resident_adapters", "Adapters resident in device slots.", len(s.get("resident_adapters") or []))
+        yield gauge("resident_adapters", "Adapters resident in the device pool.", len(s.get("resident_adapters") or []))
+        mem = s.get("memory") or {}
+        yield gauge("pool_bytes", "Bytes of the one pool shared by KV blocks and adapters.", mem.get("pool_bytes"))
+        yield gauge("pool_page_bytes", "Bytes of one pool page (one KV block of every layer).", mem.get("page_bytes"))
+        yield gauge("pool_pages", "Pages in the pool.", mem.get("pages"))
+        yield gauge("kv_blocks_used", "Pool pages holding KV blocks.", mem.get("kv_blocks_used"))
+        yield gauge("pool_pages_free", "Pool pages free.", mem.get("free_pages"))
+        yield gauge("adapter_pages", "Pool pages holding adapter weights.", mem.get("adapter_pages"))
+        yield gauge("adapter_bytes_resident", "Bytes of adapter weights resident in the pool.",
+                    mem.get("adapter_bytes_resident"))
+        yield counter("admissions_waited_memory", "Requests that waited at admission for KV or adapter pages.",
+                      s.get("admissions_waited_memory"))
+        by_rank = GaugeMetricFamily("lorafleet_worker_resident_adapters_by_rank", "Resident adapters by LoRA rank.",
+                                    labels=labels + ["rank"])
+        for rank, n in (mem.get("resident_adapters_by_rank") or {}).items():
+            by_rank.add_metric(ids + [str(rank)], n)
+        yield by_rank
         tasks = CounterMetricFamily("lorafleet_worker_tasks", "Tasks finished, by outcome.", labels=labels + ["outcome"])
         for outcome, n in sorted(rt.tasks_done.items()):
             tasks.add_metric(ids + [outcome], n)

@@ -27,7 +27,13 @@ class Command(BaseCommand):
         parser.add_argument("--metrics-port", type=int, default=9100,
                             help="Prometheus exporter port; 0 picks a free one (default %(default)s)")
         parser.add_argument("--metrics-addr", default="127.0.0.1")
-        parser.add_argument("--max-lora-slots", type=int, default=8)
+        parser.add_argument("--memory-fraction", type=float, default=None,
+                            help="CUDA: share of the device's total memory for weights, workspace and the one "
+                                 "pool of KV blocks and adapters (default 0.90)")
+        parser.add_argument("--memory-gb", type=float, default=settings.LORAFLEET_WORKER_MEMORY_GB,
+                            help="the same budget in GB (10**9 bytes); the CPU default is a quarter of RAM")
+        parser.add_argument("--prefill-chunk", type=int, default=256,
+                            help="prompt tokens per engine step (sizes the activation workspace)")
         parser.add_argument("--loglevel", default="INFO")
 
     def handle(self, *args, **opts) -> None:
@@ -39,17 +45,25 @@ class Command(BaseCommand):
             raise CommandError(f"Base model {base.slug!r} has no local checkpoint_path.")
         if opts["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1.")
-        runtime = worker.build_runtime(
-            base_slug=base.slug, base_sha256=base.sha256, queue=base.queue_name, checkpoint_path=base.checkpoint_path,
-            device=opts["device"], concurrency=opts["concurrency"], max_lora_slots=opts["max_lora_slots"],
-            max_lora_rank=base.max_lora_rank,
-        )
+        try:
+            runtime = worker.build_runtime(
+                base_slug=base.slug, base_sha256=base.sha256, queue=base.queue_name,
+                checkpoint_path=base.checkpoint_path, device=opts["device"], concurrency=opts["concurrency"],
+                max_lora_rank=base.max_lora_rank, memory_fraction=opts["memory_fraction"],
+                memory_gb=opts["memory_gb"], prefill_chunk=opts["prefill_chunk"],
+            )
+        except ValueError as exc:  # a budget that cannot hold the base, or a bad flag
+            raise CommandError(str(exc)) from None
         ensure_local_folders()
         port = worker.start_metrics_server(runtime, opts["metrics_port"], opts["metrics_addr"])
         worker.start_heartbeat(runtime)
         connections.close_all()  # the hot path never touches the database
+        m = runtime.engine.runner.memory
         self.stdout.write(f"worker {runtime.worker_id}: queue {base.queue_name}, {opts['concurrency']} threads, "
-                          f"metrics on http://{opts['metrics_addr']}:{port}/metrics", ending="\n")
+                          f"memory {m.budget_bytes / 1e9:.2f} GB = weights {m.weights_bytes / 1e9:.2f} + workspace "
+                          f"{m.workspace_bytes / 1e9:.2f} + pool of {m.num_pages} pages x {m.page_bytes / 1e6:.3f} MB "
+                          f"(KV blocks and adapters), metrics on http://{opts['metrics_addr']}:{port}/metrics",
+                          ending="\n")
         self.stdout.flush()
 
         from config.celery_app import app

@@ -34,6 +34,14 @@ class Command(BaseCommand):
                 f"device={w['device']}  running={w['running']}  waiting={w['queue_depth']}  "
                 f"tokens={w['tokens_generated']}  metrics=:{w.get('metrics_port')}  seen {age:.0f}s ago"
             )
+            mem = w.get("memory") or {}
+            if mem:
+                self.stdout.write(
+                    f"    pool {mem.get('pages')} pages x {mem.get('page_bytes', 0) / 1e6:.3f} MB: "
+                    f"KV {mem.get('kv_blocks_used')} used, adapters {mem.get('adapter_pages')} pages "
+                    f"({mem.get('adapter_bytes_resident', 0) / 1e6:.1f} MB, by rank {mem.get('resident_adapters_by_rank')}), "
+                    f"free {mem.get('free_pages')}; evictions {mem.get('evictions')}, loads {mem.get('device_loads')}, "
+                    f"admissions that waited for memory {mem.get('admissions_waited_memory')}")
             resident = w.get("resident_adapters") or []
             if not resident:
                 self.stdout.write("    no resident adapters")
