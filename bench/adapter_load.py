@@ -7,8 +7,8 @@ The adapter: r=16 on all seven projections of Llama-2-7B (hidden 4096, intermedi
 through a fresh AdapterCache (so nothing is warm in it): read the file (the OS page cache is warm after the
 first read; this machine gives no way to drop it), mapped as the worker maps local blobs, and also read()
 into memory as for S3 -> sha256 against the expected hash -> safetensors parse
--> name/shape check -> the runner's slot pool (inference_worker.lora.LoraSlots with 7B shapes, fp32 as the
-CPU runner keeps it; a 7B base itself is not loaded, the slot copy does not depend on it).
+-> name/shape check -> pages of the runner's memory pool (inference_worker.lora.LoraPool over a PagePool with
+7B shapes, fp32 as the CPU runner keeps it; a 7B base itself is not loaded, the copy does not depend on it).
 Reports p50/p99 of the whole path and of its parts. Goal (DESIGN.md): p50 <= 150 ms on CPU.
 """
 from __future__ import annotations
@@ -34,7 +34,10 @@ from safetensors.torch import save_file  # noqa: E402
 
 from inference_worker.adapter_cache import LOADING, READY, AdapterCache, map_file  # noqa: E402
 from inference_worker.jobs import AdapterRef  # noqa: E402
-from inference_worker.lora import TARGETS, LoraSlots, ProjectionShape  # noqa: E402
+from inference_worker.lora import TARGETS, LoraPool  # noqa: E402
+from inference_worker.memory_pool import PagePool  # noqa: E402
+from protocol.lora_layout import ModelShape  # noqa: E402
+from protocol.memory import adapter_pages, page_elements  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HEADS, RANK = 4096, 11008, 32, 32, 16
 SHAPES = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (HIDDEN, HIDDEN), "v_proj": (HIDDEN, HIDDEN),
@@ -42,22 +45,24 @@ SHAPES = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (HIDDEN, HIDDEN), "v_proj": (HID
           "down_proj": (INTER, HIDDEN)}
 
 
-class SlotOnlyRunner:
-    """The part of ModelRunner an adapter load touches: config and the LoRA slot pool."""
+class PoolOnlyRunner:
+    """The part of ModelRunner an adapter load touches: config and the memory pool with its resident adapters."""
 
-    def __init__(self, slots: int = 2):
+    def __init__(self, adapters: int = 2, block_size: int = 16):
         self.config = SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS,
                                       head_dim=HIDDEN // HEADS, intermediate_size=INTER, num_hidden_layers=LAYERS)
-        self.max_lora_slots, self.max_lora_rank = slots, RANK
-        shapes = {p: ProjectionShape(*SHAPES[p]) for p in TARGETS}
-        self.lora = LoraSlots(shapes, num_layers=LAYERS, num_slots=slots, max_rank=RANK, dtype=torch.float32,
-                              device="cpu")
+        self.max_lora_rank = RANK
+        shape = ModelShape.from_config(self.config)
+        pages = adapters * adapter_pages(shape, RANK, TARGETS, block_size)
+        self.pool = PagePool(num_layers=LAYERS, num_pages=pages, page_elems=page_elements(shape, block_size),
+                             dtype=torch.float32, device="cpu")
+        self.lora = LoraPool(self.pool, shape, max_rank=RANK, block_size=block_size)
 
-    def load_adapter_into_slot(self, slot, weights, *, rank, scale):
-        self.lora.load(slot, weights, rank=rank, scale=scale)
+    def load_adapter(self, weights, *, rank, scale, key=""):
+        return self.lora.place(key, weights, rank=rank, scale=scale)
 
-    def clear_slot(self, slot):
-        self.lora.clear(slot)
+    def unload_adapter(self, slot):
+        self.lora.remove(slot)
 
 
 def write_adapter(path: Path) -> None:
@@ -88,9 +93,9 @@ def main() -> None:
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     ref = AdapterRef(version_id=1, sha256=sha, storage_key=str(path), rank=RANK, alpha=32.0, use_rslora=False,
                      target_modules=list(TARGETS))
-    runner = SlotOnlyRunner()
+    runner = PoolOnlyRunner()
     print(f"adapter: {path.stat().st_size / 1e6:.1f} MB bf16, r={RANK}, 7 projections x {LAYERS} layers; "
-          f"slot pool {runner.lora.bytes / 1e6:.0f} MB fp32 for {runner.max_lora_slots} slots; "
+          f"{runner.lora.pages_for(RANK, TARGETS)} pool pages of {runner.pool.page_bytes / 1e6:.1f} MB fp32 each; "
           f"{torch.get_num_threads()} torch threads")
 
     def read(key: str) -> bytes:
@@ -113,16 +118,17 @@ def main() -> None:
             assert got.state == READY, got
             s = cache.stats()
             cache.close()
+            runner.unload_adapter(got.slot)  # the next fresh cache starts from an empty pool
             if i:
                 total.append(t1 - t0)
                 verify.append(s["load_seconds"])
-                slot.append(s["slot_load_seconds"])
-        print(f"{args.loads} cold loads, {label}: file -> sha256 verified -> parsed -> checked -> slot:")
+                slot.append(s["device_load_seconds"])
+        print(f"{args.loads} cold loads, {label}: file -> sha256 verified -> parsed -> checked -> pool pages:")
         print(f"  total               p50 {pct(total, 50):6.1f} ms   p99 {pct(total, 99):6.1f} ms   "
               f"min {pct(total, 0):6.1f} ms   (goal p50 <= 150 ms: {'met' if pct(total, 50) <= 150 else 'MISSED'})")
         print(f"  read+hash+parse+chk p50 {pct(verify, 50):6.1f} ms   p99 {pct(verify, 99):6.1f} ms   "
               f"min {pct(verify, 0):6.1f} ms  (loader thread)")
-        print(f"  copy into slot      p50 {pct(slot, 50):6.1f} ms   p99 {pct(slot, 99):6.1f} ms   "
+        print(f"  copy into pool      p50 {pct(slot, 50):6.1f} ms   p99 {pct(slot, 99):6.1f} ms   "
               f"min {pct(slot, 0):6.1f} ms  (engine thread)")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (shared with other work)")
 

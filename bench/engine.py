@@ -124,9 +124,12 @@ def gemm_roofline(cfg, rows: int = N_REQUESTS, reps: int = 10) -> tuple[float, f
 class EngineRun:
     """One engine on the workload; several can be alive at once so their timed runs can alternate."""
 
-    def __init__(self, base: Path, prompts, adapter_of, refs, blobs, *, enable_lora: bool, slots: int):
-        runner = ModelRunner(base, num_kv_blocks=N_REQUESTS * (PROMPT_LEN + NEW_TOKENS) // 16 + 64,
-                             max_lora_slots=slots, max_lora_rank=RANK, enable_lora=enable_lora)
+    def __init__(self, base: Path, prompts, adapter_of, refs, blobs, *, enable_lora: bool, adapters: int):
+        kv_pages = N_REQUESTS * (PROMPT_LEN + NEW_TOKENS) // 16 + 64
+        runner = ModelRunner(base, pool_pages=kv_pages + 1, max_lora_rank=RANK, enable_lora=enable_lora)
+        if enable_lora:  # room for every distinct adapter of the workload beside the KV blocks
+            pages = kv_pages + adapters * runner.lora.pages_for(RANK, ALL_TARGETS)
+            runner = ModelRunner(base, pool_pages=pages, max_lora_rank=RANK, enable_lora=True)
         self.engine = Engine(runner, blobs.__getitem__, max_running=N_REQUESTS, prefill_chunk=512).start()
         self.prompts, self.adapter_of, self.refs = prompts, adapter_of, refs
         self.best = None
@@ -219,7 +222,7 @@ def bench_model(name: str, workdir: Path, peft_requests: int) -> dict:
         blobs[f"a{i}"] = blob
         refs.append(AdapterRef(version_id=i, sha256=hashlib.sha256(blob).hexdigest(), storage_key=f"a{i}",
                                rank=RANK, alpha=32.0, use_rslora=False, target_modules=list(ALL_TARGETS)))
-    cfg = ModelRunner(base, num_kv_blocks=1, max_lora_slots=1, enable_lora=False).config
+    cfg = ModelRunner(base, pool_pages=1, enable_lora=False).config
     prompts, adapter_of = workload(cfg.vocab_size)
     distinct = len(set(adapter_of))
     print(f"workload: {N_REQUESTS} requests x ({PROMPT_LEN} prompt + {NEW_TOKENS} new) tokens, "
@@ -258,14 +261,14 @@ def bench_model(name: str, workdir: Path, peft_requests: int) -> dict:
           f"faster of the two", flush=True)
     r["gemm_gflops_64"], r["gemm_gflops_512"] = rate_64 / 1e9, rate_512 / 1e9
     roofline = rate_64 / flops_tok
-    pair = [EngineRun(base, prompts, None, refs, blobs, enable_lora=True, slots=distinct),
-            EngineRun(base, prompts, None, refs, blobs, enable_lora=False, slots=1)]
+    pair = [EngineRun(base, prompts, None, refs, blobs, enable_lora=True, adapters=distinct),
+            EngineRun(base, prompts, None, refs, blobs, enable_lora=False, adapters=0)]
     res_base, res_nolora = run_engines_interleaved(pair, n)
     show("base", "lorafleet base-only", res_base, roofline)
     show("nolora", "lorafleet LoRA-disabled", res_nolora, roofline)
     runs = [
         ("mixed", "lorafleet mixed",
-         lambda: run_engine(base, prompts, adapter_of, refs, blobs, enable_lora=True, slots=distinct, repeats=n)),
+         lambda: run_engine(base, prompts, adapter_of, refs, blobs, enable_lora=True, adapters=distinct, repeats=n)),
         ("hf", "HF generate base-only", lambda: run_hf(base, prompts, repeats=n)),
         ("peft", f"PEFT mixed ({peft_requests} req)",
          lambda: run_hf(base, prompts, adapter_of, dirs, requests=peft_requests, repeats=n)),

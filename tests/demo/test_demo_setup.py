@@ -66,7 +66,7 @@ def _answers(base_dir) -> dict[str, str]:
     from inference_worker.jobs import AdapterRef, GenerationJob
     from inference_worker.model import ModelRunner
 
-    runner = ModelRunner(base_dir, max_lora_slots=4, max_lora_rank=16)
+    runner = ModelRunner(base_dir, pool_pages=512, max_lora_rank=16)
     prompt = runner.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                                   tokenize=False)
     jobs = {"base": GenerationJob(request_id="base", adapter=None, prompt=prompt, max_tokens=24, temperature=0.0),
