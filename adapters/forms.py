@@ -1,6 +1,8 @@
 """Dashboard forms of the adapters app. Choice querysets are narrowed to the current tenant."""
 from __future__ import annotations
 
+from datetime import date, timedelta
+
 from django import forms
 from django.apps import apps
 
@@ -54,6 +56,22 @@ class AuditFilterForm(forms.Form):
         self.fields["adapter"].label_from_instance = lambda adapter: adapter.name
         status_choices = apps.get_model("gateway", "AuditRecord")._meta.get_field("status").choices
         self.fields["status"].choices = [("", "Any status"), *status_choices]
+
+    # The view turns dates into datetimes a day apart (date_to is inclusive): the first and last days a
+    # calendar can name (0001-01-01, 9999-12-31) would overflow `datetime`, so they are a form error.
+    _FIRST, _LAST = date.min + timedelta(days=1), date.max - timedelta(days=1)
+
+    def _in_range(self, name: str):
+        value = self.cleaned_data[name]
+        if value is not None and not self._FIRST <= value <= self._LAST:
+            raise forms.ValidationError(f"Pick a date between {self._FIRST.isoformat()} and {self._LAST.isoformat()}.")
+        return value
+
+    def clean_date_from(self):
+        return self._in_range("date_from")
+
+    def clean_date_to(self):
+        return self._in_range("date_to")
 
 
 class UsageWindowForm(forms.Form):

@@ -5,19 +5,25 @@ The rule is "refuse what we cannot serve exactly as PEFT would": the worker appl
 Anything else in an upload — trained embeddings (`modules_to_save`), DoRA, per-module rank or alpha,
 a layer subset, a tensor the base has no module for — would be served wrongly or silently dropped,
 so it is refused with a message naming the field or tensor. In particular an adapter whose tensors
-match no module would otherwise serve the plain base model under the customer's name.
+match no module would otherwise serve the plain base model under the customer's name. Finite weights
+can still overflow once served: an adapter whose delta `scale · B·A` could reach the serving dtype's
+largest value is refused too (check_delta_bounds).
 
 Pure functions over parsed inputs (no Django, no storage): uploads.py streams and stores, this decides.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+import numpy as np
+
 from adapters.manifest import lora_tensor_names
 from adapters.safetensors_check import (
-    DTYPE_NAMES, MAX_ENTRIES, SafetensorsError, SafetensorsLayout, check_finite, read_layout,
+    DTYPE_NAMES, MAX_ENTRIES, SafetensorsError, SafetensorsLayout, TensorInfo, check_finite, iter_tensor_chunks,
+    read_layout,
 )
 
 CONFIG_FILE = "adapter_config.json"
@@ -225,6 +231,80 @@ def check_tensors(layout: SafetensorsLayout, manifest: dict, rank: int,
     return DTYPE_NAMES[dtypes.pop()], parameter_count
 
 
+# The largest finite value of each serving dtype. A delta at or above it is ±Inf once cast, and one Inf
+# in a projection turns every later activation of the sequence into NaN.
+BFLOAT16_MAX = 3.3895313892515355e38
+_DTYPE_MAX = {"bfloat16": BFLOAT16_MAX, "float16": 65504.0, "float32": 3.4028234663852886e38}
+BOUND_SCAN_CHUNK_BYTES = 1024 * 1024  # a chunk becomes float64 plus an index: ~4x its size, transiently
+
+
+def serving_limit(manifest: dict) -> tuple[str, float]:
+    """(dtype name, largest finite value) the delta must stay under: the base's dtype, never above bfloat16's
+    (a float32 base may be served in bfloat16 on a GPU), and float16's own for a float16 base."""
+    dtype = str(manifest.get("dtype") or "bfloat16").removeprefix("torch.")
+    limit = _DTYPE_MAX.get(dtype, BFLOAT16_MAX)
+    return ("bfloat16", BFLOAT16_MAX) if limit >= BFLOAT16_MAX else (dtype, limit)
+
+
+def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
+    """PEFT's scaling: alpha / r, or alpha / sqrt(r) for rsLoRA."""
+    return alpha / (math.sqrt(rank) if use_rslora else rank)
+
+
+def _as_float64(chunk: bytes, dtype: str) -> np.ndarray:
+    if dtype == "F32":
+        return np.frombuffer(chunk, dtype="<f4").astype(np.float64)
+    if dtype == "F16":
+        return np.frombuffer(chunk, dtype="<f2").astype(np.float64)
+    # bfloat16 is the top half of a float32: shift the bits up and reinterpret
+    return (np.frombuffer(chunk, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _tensor_stats(fh: BinaryIO, layout: SafetensorsLayout, info: TensorInfo, *, rows: bool) -> tuple[float, float]:
+    """(max |w|, largest row norm if `rows` else largest column norm) of a 2-D tensor, chunk by chunk, in
+    float64 (whose range holds the square of any float32)."""
+    n_rows, n_cols = info.shape
+    squares = np.zeros(n_rows if rows else n_cols)
+    peak, start = 0.0, 0
+    for chunk in iter_tensor_chunks(fh, layout, info, BOUND_SCAN_CHUNK_BYTES):
+        values = _as_float64(chunk, info.dtype)
+        index = np.arange(start, start + values.size)
+        squares += np.bincount(index // n_cols if rows else index % n_cols, weights=values * values,
+                               minlength=squares.size)
+        peak = max(peak, float(np.abs(values).max()))
+        start += values.size
+    return peak, float(np.sqrt(squares.max()))
+
+
+def check_delta_bounds(fh: BinaryIO, layout: SafetensorsLayout, manifest: dict, scale: float) -> None:
+    """Refuse an adapter whose delta `scale · B·A` could overflow the serving dtype, naming the tensor.
+
+    Every element of B·A is a dot product of a row of B (d_out × r) and a column of A (r × d_in), so by
+    Cauchy–Schwarz max|scale·B·A| ≤ scale · max_i ‖B_i,:‖₂ · max_j ‖A_:,j‖₂ — one streaming pass over the
+    weights, no product formed. A module is refused when that bound reaches the limit, and any tensor
+    with a single weight whose magnitude times the scale does (the worker scales weights before use).
+    Expects check_tensors to have passed: every tensor is a 2-D lora_A/lora_B of a known module.
+    """
+    dtype, limit = serving_limit(manifest)
+    why = f"the largest {dtype} value ({limit:.3g}), which the worker serves in"
+    for module, spec in manifest["modules"].items():
+        for layer in range(int(spec["layers"])):
+            name_a, name_b = lora_tensor_names(manifest, module, layer)
+            if name_a not in layout.tensors:
+                continue
+            peak_a, col_a = _tensor_stats(fh, layout, layout.tensors[name_a], rows=False)
+            peak_b, row_b = _tensor_stats(fh, layout, layout.tensors[name_b], rows=True)
+            for name, peak in ((name_a, peak_a), (name_b, peak_b)):
+                if scale * peak >= limit:
+                    raise _fail(name, f"tensor {name} holds a weight of magnitude {peak:.3g}; times the LoRA "
+                                      f"scale {scale:g} it reaches {why}.")
+            bound = scale * row_b * col_a
+            if bound >= limit:
+                raise _fail(name_b, f"tensor {name_b} with {name_a}: the LoRA delta scale·B·A could reach "
+                                    f"{bound:.3g} (scale {scale:g} × largest lora_B row norm {row_b:.3g} × "
+                                    f"largest lora_A column norm {col_a:.3g}), at or over {why}.")
+
+
 def max_entries_for(manifest: dict) -> int:
     """The most tensors a valid adapter for this base can have (lora_A + lora_B per module per layer)."""
     return min(MAX_ENTRIES, sum(2 * int(m["layers"]) for m in manifest["modules"].values()))
@@ -232,7 +312,8 @@ def max_entries_for(manifest: dict) -> int:
 
 def validate_adapter(config: dict, weights: BinaryIO, weights_size: int, manifest: dict,
                      max_rank: int) -> AdapterSpec:
-    """The whole decision: config, then the safetensors header, then tensors vs. the base, then NaN/Inf.
+    """The whole decision: config, then the safetensors header, then tensors vs. the base, then NaN/Inf,
+    then whether the served delta could overflow.
 
     Cheap checks first, so a hostile file is refused before its data is ever read.
     """
@@ -246,6 +327,10 @@ def validate_adapter(config: dict, weights: BinaryIO, weights_size: int, manifes
     try:
         check_finite(weights, layout)
     except SafetensorsError as exc:
+        raise _fail(exc.field, exc.message) from None
+    try:
+        check_delta_bounds(weights, layout, manifest, lora_scale(rank, alpha, use_rslora))
+    except SafetensorsError as exc:  # the file ended inside a tensor (it shrank since check_finite read it)
         raise _fail(exc.field, exc.message) from None
     return AdapterSpec(rank=rank, alpha=alpha, use_rslora=use_rslora, target_modules=targets,
                        dtype=dtype, parameter_count=parameter_count, peft_config=config)

@@ -7,10 +7,11 @@ from django.urls import path
 from adapters.admin import ReadOnlyAdmin
 
 from .models import AuditRecord
+from .responses import public_worker_id
 
 CSV_FIELDS = [
     "request_id", "created_at", "finished_at", "route", "tenant_id", "key_prefix", "adapter_name", "version_number",
-    "expected_sha256", "weights_sha256", "base_slug", "base_sha256", "worker_id", "status", "http_status",
+    "expected_sha256", "weights_sha256", "adapter_identity", "base_slug", "base_sha256", "worker_id", "status", "http_status",
     "error_code", "finish_reason", "attempts", "prompt_tokens", "completion_tokens", "queue_seconds",
     "first_token_seconds", "total_seconds",
 ]
@@ -30,7 +31,7 @@ class AuditRecordAdmin(ReadOnlyAdmin):
         "status", "http_status", "error_code", "completion_tokens", "total_seconds",
     ]
     list_filter = ["tenant", "adapter", "version", "status", "base_model", "error_code", ("created_at", admin.DateFieldListFilter)]
-    search_fields = ["request_id", "weights_sha256", "expected_sha256", "key_prefix"]
+    search_fields = ["request_id", "weights_sha256", "expected_sha256", "adapter_identity", "key_prefix"]
     date_hierarchy = "created_at"
     list_select_related = ["tenant"]
     show_full_result_count = False
@@ -45,8 +46,16 @@ class AuditRecordAdmin(ReadOnlyAdmin):
         try:
             uuid.UUID(request.GET.get("q", "").strip())
         except ValueError:
-            return ["weights_sha256", "expected_sha256", "key_prefix"]
-        return ["=request_id", "weights_sha256", "expected_sha256", "key_prefix"]
+            return ["weights_sha256", "expected_sha256", "adapter_identity", "key_prefix"]
+        return ["=request_id", "weights_sha256", "expected_sha256", "adapter_identity", "key_prefix"]
+
+    def get_readonly_fields(self, request, obj=None):
+        return [*super().get_readonly_fields(request, obj), "public_worker_id"]
+
+    @admin.display(description="worker id shown to the caller")
+    def public_worker_id(self, obj):
+        """What the response's X-Lorafleet-Worker said, to match a customer's report to worker_id."""
+        return public_worker_id(obj.worker_id) or "-"
 
     @admin.display(description="weights sha256")
     def short_weights_sha256(self, obj):

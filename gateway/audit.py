@@ -96,6 +96,7 @@ def finalise(draft: AuditDraft, *, ok: bool, http_status: int, error_code: str =
     if result is not None:
         fields.update(
             weights_sha256=result.adapter_sha256 or "",
+            adapter_identity=(result.adapter_identity or "")[:64] or None,  # what the worker says it served
             finish_reason=result.finish_reason or "",
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,

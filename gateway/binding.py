@@ -3,7 +3,8 @@
 - A key bound to an adapter always uses that adapter; a request naming anything else is refused.
 - Otherwise `model` names an adapter of the key's tenant: `name` (its active version) or `name@N`
   (pinned). Another tenant's adapter, a missing one and a malformed name all get the same 404.
-- The base model is served only when named explicitly as `base/<slug>` and the tenant may use it.
+- The base model is served only when named explicitly as `base/<slug>` and the tenant may use it; a
+  tenant that may not gets the same 404 as for a missing model (which bases exist is not its business).
   Adapter names cannot contain "/", so the two namespaces never collide — and a request for an
   adapter never silently falls back to the base.
 """
@@ -96,10 +97,7 @@ def _resolve_version(adapter: Adapter, number: int | None, model: str) -> Target
 
 
 def _resolve_base(tenant, model: str) -> Target:
-    base = BaseModel.objects.filter(slug=model[len(BASE_PREFIX):]).first()
+    base = BaseModel.objects.filter(slug=model[len(BASE_PREFIX):]).first() if tenant.may_use_base else None
     if base is None:
         raise adapter_not_found(model)
-    if not tenant.may_use_base:
-        raise ApiError(403, "base_model_not_allowed", f"Your organisation may not call the base model {model!r}.",
-                       type="permission_error", param="model")
     return Target(base=base)

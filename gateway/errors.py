@@ -65,6 +65,11 @@ def adapter_not_found(name: str) -> ApiError:
                     param="model")
 
 
+def request_too_large(limit_bytes: int) -> ApiError:
+    return ApiError(413, "request_too_large", f"The request body is larger than this server accepts "
+                                              f"({limit_bytes} bytes).")
+
+
 def adapter_deleted(name: str) -> ApiError:
     return ApiError(410, "adapter_deleted", f"The adapter {name!r} has been deleted.", param="model")
 

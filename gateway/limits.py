@@ -10,6 +10,10 @@ Counters live in Redis when the broker is Redis, so every web process shares the
 update are one Lua script, on Redis's clock); on the embedded default (one web process) they live in
 memory. If Redis cannot be reached the limiter lets the request through: publishing will fail a moment
 later and answer the honest 503.
+
+The same stores count failed logins (gateway/login_limits.py): `fail` adds one and returns the count,
+which expires `ttl_s` after the first failure — and again `ttl_s` after the one that reaches the limit,
+so a lockout lasts its full length; `failures` reads (count, seconds left); `clear` forgets.
 """
 from __future__ import annotations
 
@@ -39,6 +43,14 @@ return '0'
 """
 
 
+# KEYS[1]: a failure counter; ARGV: ttl seconds, the count that locks. Returns the new count.
+_FAIL = """
+local n = redis.call('INCR', KEYS[1])
+if n == 1 or n == tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+return n
+"""
+
+
 def _rate(requests_per_minute: int) -> tuple[float, int]:
     """(seconds per request, burst): a minute's quota at once, then the per-minute rate."""
     quota = max(1, int(requests_per_minute))
@@ -52,6 +64,7 @@ class RedisCounters:
         self._redis = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._gcra = self._redis.register_script(_GCRA)
+        self._fail = self._redis.register_script(_FAIL)
 
     def admit(self, tenant_id: int, requests_per_minute: int) -> float | None:
         """0 when admitted, else seconds until a request would be; None if Redis cannot be reached."""
@@ -77,12 +90,35 @@ class RedisCounters:
         except self._errors:
             pass
 
+    def fail(self, key: str, ttl_s: int, limit: int) -> int | None:
+        try:
+            return int(self._fail(keys=[f"lorafleet:fail:{key}"], args=[ttl_s, limit]))
+        except self._errors:
+            return None
+
+    def failures(self, key: str) -> tuple[int, int]:
+        try:
+            pipe = self._redis.pipeline()
+            pipe.get(f"lorafleet:fail:{key}")
+            pipe.ttl(f"lorafleet:fail:{key}")
+            count, ttl = pipe.execute()
+        except self._errors:
+            return 0, 0
+        return int(count or 0), max(0, int(ttl))
+
+    def clear(self, key: str) -> None:
+        try:
+            self._redis.delete(f"lorafleet:fail:{key}")
+        except self._errors:
+            pass
+
 
 class LocalCounters:
     def __init__(self):
         self._lock = threading.Lock()
         self._tat: dict[int, float] = {}
         self._inflight: dict[int, int] = defaultdict(int)
+        self._failures: dict[str, tuple[int, float]] = {}  # key -> (count, expires at)
 
     def admit(self, tenant_id: int, requests_per_minute: int) -> float:
         emission, burst = _rate(requests_per_minute)
@@ -103,6 +139,30 @@ class LocalCounters:
     def leave(self, tenant_id: int) -> None:
         with self._lock:
             self._inflight[tenant_id] = max(0, self._inflight[tenant_id] - 1)
+
+    def fail(self, key: str, ttl_s: int, limit: int) -> int:
+        with self._lock:
+            now = time.monotonic()
+            if len(self._failures) > 10_000:  # one process's memory: forget expired counters now and then
+                self._failures = {k: v for k, v in self._failures.items() if v[1] > now}
+            count, expires = self._failures.get(key, (0, 0.0))
+            if expires <= now:
+                count, expires = 0, now + ttl_s
+            count += 1
+            if count == limit:
+                expires = now + ttl_s
+            self._failures[key] = (count, expires)
+            return count
+
+    def failures(self, key: str) -> tuple[int, int]:
+        with self._lock:
+            count, expires = self._failures.get(key, (0, 0.0))
+            left = expires - time.monotonic()
+            return (count, math.ceil(left)) if left > 0 else (0, 0)
+
+    def clear(self, key: str) -> None:
+        with self._lock:
+            self._failures.pop(key, None)
 
 
 _counters = None

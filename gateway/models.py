@@ -60,6 +60,11 @@ class AuditRecord(models.Model):
     weights_sha256 = models.CharField(
         max_length=64, blank=True, help_text="sha256 of the weights the worker actually loaded and verified."
     )
+    adapter_identity = models.CharField(
+        max_length=64, null=True, blank=True,
+        help_text="What the worker served: sha256 over the weights' sha256, rank, alpha, rsLoRA and target "
+                  "modules (inference_worker.jobs.adapter_identity). Empty for base-model requests and refusals.",
+    )
     base_model = models.ForeignKey("adapters.BaseModel", null=True, blank=True, on_delete=models.PROTECT, related_name="+")
     base_slug = models.CharField(max_length=50, blank=True)
     base_sha256 = models.CharField(max_length=64, blank=True)

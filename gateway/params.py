@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 
-from .errors import invalid
+from .errors import invalid, request_too_large
 
 COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
@@ -42,11 +43,21 @@ class GenerationParams:
     messages: list[dict[str, str]] = field(default_factory=list)  # chat
 
 
+def read_body(request) -> bytes:
+    """The raw body, or a 413 when it is over DATA_UPLOAD_MAX_MEMORY_SIZE (Django refuses to read it)."""
+    try:
+        return request.body
+    except RequestDataTooBig:
+        raise request_too_large(settings.DATA_UPLOAD_MAX_MEMORY_SIZE) from None
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw or b"")
     except (ValueError, UnicodeDecodeError):
         raise invalid("The request body is not valid JSON.", code="invalid_json") from None
+    except RecursionError:  # e.g. 100,000 nested arrays: Python's parser runs out of stack, not memory
+        raise invalid("The request body nests JSON too deeply.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.", code="invalid_json")
     return body

@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
+from adapters.models import AdapterVersion
 from inference_worker.jobs import AdapterRef, GenerationJob, GenerationResult
 
 from . import audit, metrics
@@ -23,7 +24,7 @@ from .auth import KeyRefused, authenticate
 from .binding import Target, resolve_target
 from .errors import ApiError, database_unavailable, from_worker, internal_error, queue_unavailable, timed_out
 from .limits import TenantSlot
-from .params import GenerationParams, parse_chat, parse_completion, parse_json_body
+from .params import GenerationParams, parse_chat, parse_completion, parse_json_body, read_body
 from .prompts import chat_prompt, count_and_check
 from .queue import QueueUnavailable, ReplyTimeout, get_dispatcher
 from .responses import Shapes, metadata, metadata_headers, sse
@@ -41,7 +42,7 @@ def serve(request, *, route: str, chat: bool) -> HttpResponse:
             key = authenticate(request)
             draft.tenant, draft.key_prefix = key.tenant, key.prefix
             slot = TenantSlot(key.tenant).__enter__()
-            params = (parse_chat if chat else parse_completion)(parse_json_body(request.body))
+            params = (parse_chat if chat else parse_completion)(parse_json_body(read_body(request)))
             draft.target = target = resolve_target(key, params.model)
             if chat:
                 params.prompt = chat_prompt(target.base, params.messages)
@@ -109,13 +110,14 @@ def request_timeout(request) -> float:
     return limit
 
 
+def adapter_ref(name: str, v: AdapterVersion) -> AdapterRef:
+    """The version as the worker sees it; its `.identity` is what an answer from it must name."""
+    return AdapterRef(version_id=v.pk, sha256=v.sha256, storage_key=v.storage_key, rank=v.rank, alpha=v.alpha,
+                      use_rslora=v.use_rslora, target_modules=list(v.target_modules), name=f"{name}@{v.number}")
+
+
 def build_job(draft: audit.AuditDraft, target: Target, params: GenerationParams) -> GenerationJob:
-    adapter = None
-    if target.adapter is not None:
-        v = target.version
-        adapter = AdapterRef(version_id=v.pk, sha256=v.sha256, storage_key=v.storage_key, rank=v.rank,
-                             alpha=v.alpha, use_rslora=v.use_rslora, target_modules=list(v.target_modules),
-                             name=f"{target.adapter.name}@{v.number}")
+    adapter = adapter_ref(target.adapter.name, target.version) if target.adapter is not None else None
     return GenerationJob(
         request_id=str(draft.request_id), adapter=adapter, prompt=params.prompt,
         prompt_token_ids=params.prompt_token_ids, max_tokens=params.max_tokens, temperature=params.temperature,
@@ -165,7 +167,8 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
         result = GenerationResult.from_dict(first["result"])
         worker_id, attempts = first.get("worker_id", ""), first.get("attempts")
         err = _result_error(target, result)
-        meta_out = metadata(draft.request_id, target, weights_sha256=result.adapter_sha256, worker_id=worker_id)
+        meta_out = metadata(draft.request_id, target, weights_sha256=result.adapter_sha256, worker_id=worker_id,
+                            adapter_identity=result.adapter_identity)
         if err is not None:
             audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=err.message,
                            result=result, worker_id=worker_id, attempts=attempts)
@@ -179,9 +182,10 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
             return response
     stream = _stream(draft, target, params, shapes, first, events, dispatcher, slot)
     head = metadata(draft.request_id, target, weights_sha256=first.get("adapter_sha256"),
-                    worker_id=first.get("worker_id"))
+                    worker_id=first.get("worker_id"), adapter_identity=first.get("adapter_identity"))
     if first["type"] == "final":
         head["weights_sha256"] = first["result"].get("adapter_sha256")
+        head["adapter_identity"] = first["result"].get("adapter_identity")
     response = StreamingHttpResponse(stream, content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
@@ -193,10 +197,18 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
 def _result_error(target: Target, result: GenerationResult) -> ApiError | None:
     if not result.ok:
         return from_worker(result.error_code, result.error_message)
-    if target.adapter is not None and result.adapter_sha256 != target.version.sha256:
+    if target.adapter is None:
+        return None
+    if result.adapter_sha256 != target.version.sha256:
         # The worker must only ever serve the exact weights asked for; never pass off others as them.
         return from_worker("adapter_integrity_error",
                            f"the worker served weights {result.adapter_sha256!r}, not the version's {target.version.sha256}")
+    expected = adapter_ref(target.adapter.name, target.version).identity
+    if result.adapter_identity != expected:
+        # The same bytes under another rank, alpha, rsLoRA or targets is another adapter (another scale);
+        # an answer that does not name the version's identity is not proof it served this version.
+        return from_worker("adapter_integrity_error", f"the worker served adapter identity "
+                                                      f"{result.adapter_identity!r}, not the version's {expected}")
     return None
 
 
@@ -215,14 +227,16 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
         while True:
             if event["type"] == "delta":
                 meta = metadata(draft.request_id, target, weights_sha256=event.get("adapter_sha256"),
-                                worker_id=event.get("worker_id")) if is_first else None
+                                worker_id=event.get("worker_id"),
+                                adapter_identity=event.get("adapter_identity")) if is_first else None
                 sent += event["text"]
                 yield sse(shapes.chunk(event["text"], first=is_first, meta=meta))
                 is_first = False
             else:
                 result = GenerationResult.from_dict(event["result"])
                 worker_id, attempts = event.get("worker_id", ""), event.get("attempts")
-                meta = metadata(draft.request_id, target, weights_sha256=result.adapter_sha256, worker_id=worker_id)
+                meta = metadata(draft.request_id, target, weights_sha256=result.adapter_sha256, worker_id=worker_id,
+                                adapter_identity=result.adapter_identity)
                 err = _result_error(target, result)
                 if err is not None:
                     audit.finalise(draft, ok=False, http_status=200, error_code=err.code, error_message=err.message,

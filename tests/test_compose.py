@@ -165,3 +165,63 @@ def test_dockerfile_builds_on_python_311_slim_and_installs_the_pinned_dependenci
     unpinned = [d for d in dependencies if "==" not in d]
     assert not unpinned, f"the image would not be reproducible: {unpinned}"
     assert re.search(r"^USER (?!root)", dockerfile, re.MULTILINE)  # the app does not run as root
+
+
+# --- metrics: Prometheus scrapes web with its token and the worker's exporter ------------------------
+
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
+
+
+def _prometheus_config() -> dict:
+    return yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+
+
+def _job(name: str) -> dict:
+    return next(job for job in _prometheus_config()["scrape_configs"] if job["job_name"] == name)
+
+
+def _mounts(service: dict) -> dict[str, str]:
+    """container path -> host path of a service's bind mounts."""
+    out = {}
+    for volume in service.get("volumes", []):
+        host, container, *_ = str(volume).split(":")
+        out[container] = host
+    return out
+
+
+def test_prometheus_runs_from_a_pinned_image_with_the_config_file_of_this_repository():
+    prom = SERVICES["prometheus"]
+    assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", prom["image"])
+    config_path = next(arg.split("=", 1)[1] for arg in prom["command"] if arg.startswith("--config.file="))
+    host = _mounts(prom)[config_path]
+    assert (ROOT / host).resolve() == PROMETHEUS_CONFIG and PROMETHEUS_CONFIG.is_file()
+    assert str(prom["volumes"][0]).endswith(":ro")
+    # its UI has no login: published on this host's loopback only
+    assert all(_resolve(port).startswith("127.0.0.1:") for port in prom["ports"])
+
+
+def test_prometheus_scrapes_web_with_the_token_web_requires():
+    web_job = _job("lorafleet-web")
+    assert web_job["metrics_path"] == "/metrics" and web_job["static_configs"][0]["targets"] == ["web:8000"]
+    auth = web_job["authorization"]
+    assert auth.get("type", "Bearer") == "Bearer" and "credentials" not in auth  # never the token itself
+    # the credentials file is the compose secret, and the secret is the variable web checks against
+    secret = auth["credentials_file"].removeprefix("/run/secrets/")
+    assert secret in SERVICES["prometheus"]["secrets"]
+    source = COMPOSE["secrets"][secret]["environment"]
+    assert source == "LORAFLEET_METRICS_TOKEN" and source in _settings_env_reads()
+    assert COMPOSE["x-lorafleet-env"][source].startswith("${LORAFLEET_METRICS_TOKEN:?")  # web refuses to start without
+    assert "--bind=0.0.0.0:8000" in SERVICES["web"]["command"]
+
+
+def test_prometheus_scrapes_the_workers_exporter_on_the_port_and_address_the_worker_listens_on():
+    command = SERVICES["worker"]["command"]
+    port = command[command.index("--metrics-port") + 1]
+    assert command[command.index("--metrics-addr") + 1] == "0.0.0.0"  # reachable from prometheus' container
+    assert _job("lorafleet-worker")["static_configs"][0]["targets"] == [f"worker:{port}"]
+    assert "ports" not in SERVICES["worker"]  # ...and from nothing outside the compose network
+
+
+def test_the_web_healthcheck_is_not_redirected_to_https():
+    test = " ".join(SERVICES["web"]["healthcheck"]["test"])
+    assert "X-Forwarded-Proto': 'https'" in test

@@ -95,6 +95,10 @@
       var xhr = new XMLHttpRequest();
       xhr.open("POST", form.action || window.location.href);
       xhr.setRequestHeader("Accept", "application/json");
+      // The CSRF token travels in a header too: a body over the size cap is cut off before its form
+      // fields are read, and without the token Django would answer 403 instead of the real size error.
+      var csrf = form.querySelector('input[name="csrfmiddlewaretoken"]');
+      if (csrf) xhr.setRequestHeader("X-CSRFToken", csrf.value);
       wrap.hidden = false; bar.value = 0; percent.textContent = "0%"; button.disabled = true;
       xhr.upload.addEventListener("progress", function (e) {
         if (!e.lengthComputable) return;
@@ -128,7 +132,8 @@
         } else {
           bytes.textContent = "";
           showError("", xhr.status === 413 ? "The files are larger than this server accepts." :
-            xhr.status === 403 ? "Your role cannot upload versions." : "The upload failed (HTTP " + xhr.status + "). Try again.");
+            xhr.status === 403 ? "The upload was refused (HTTP 403): your role may not upload versions, or your " +
+              "session has expired — reload the page." : "The upload failed (HTTP " + xhr.status + "). Try again.");
         }
       });
       xhr.addEventListener("error", function () {

@@ -15,7 +15,10 @@ import pytest
 
 from adapters.manifest import lora_tensor_names, shape_manifest_from_config
 from adapters.safetensors_check import SafetensorsError, check_finite, read_layout
-from adapters.validation import AdapterValidationError, check_config, parse_config, validate_adapter
+from adapters.validation import (
+    BFLOAT16_MAX, AdapterValidationError, check_config, check_delta_bounds, parse_config, serving_limit,
+    validate_adapter,
+)
 
 MANIFEST = shape_manifest_from_config({
     "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -276,3 +279,117 @@ def test_a_config_that_is_not_a_small_json_object_is_refused(raw, message):
     with pytest.raises(AdapterValidationError, match=message) as excinfo:
         parse_config(raw)
     assert excinfo.value.field == "adapter_config.json"
+
+
+# --- the served delta: finite weights that overflow once scaled -----------------------------------
+# max|scale·B·A| ≤ scale · max‖B_i,:‖₂ · max‖A_:,j‖₂ must stay under the serving dtype's largest value, and
+# so must every single weight times the scale.
+
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+V_B = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+
+
+def validate_with(blob: bytes, manifest: dict = MANIFEST, **config):
+    return validate_adapter({**CONFIG, **config}, io.BytesIO(blob), len(blob), manifest, 64)
+
+
+def bf16_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """A safetensors file in bfloat16 (numpy has no such dtype: the top 16 bits of each float32)."""
+    header, chunks, offset = {}, [], 0
+    for name, array in arrays.items():
+        raw = (array.astype("<f4").view("<u4") >> 16).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    return safetensors_bytes(header, b"".join(chunks))
+
+
+def test_weights_near_float32_max_pass_the_nan_scan_but_are_refused():
+    arrays = good_arrays()
+    arrays[V_B][5, 3] = 3.0e38  # finite in float32; scale 16/8 = 2 makes it 6e38
+    blob = from_arrays(arrays)
+    fh = io.BytesIO(blob)
+    check_finite(fh, read_layout(fh, len(blob)))  # what the upload checked before: no complaint
+    with pytest.raises(AdapterValidationError) as excinfo:
+        validate_with(blob)
+    assert excinfo.value.field == V_B
+    assert f"tensor {V_B} holds a weight of magnitude 3e+38" in str(excinfo.value)
+    assert "bfloat16" in str(excinfo.value)
+
+
+def test_moderate_weights_whose_product_overflows_are_refused_by_the_bound():
+    arrays = good_arrays()
+    arrays[Q_A][:] = 1e19  # each weight × scale 2 is far from the limit...
+    arrays[Q_B][:] = 1e19  # ...but every element of B·A is 8 × 1e38, times 2
+    with pytest.raises(AdapterValidationError) as excinfo:
+        validate_with(from_arrays(arrays))
+    assert excinfo.value.field == Q_B
+    message = str(excinfo.value)
+    assert f"tensor {Q_B} with {Q_A}" in message and "could reach 1.6e+39" in message
+
+
+def test_the_bound_accounts_for_the_scale_and_rslora():
+    arrays = good_arrays()
+    arrays[Q_A][:] = 1e18
+    arrays[Q_B][:] = 1e18  # every element of B·A is 8e36: bound 8e36 × scale
+    blob = from_arrays(arrays)
+    validate_with(blob, lora_alpha=16)  # scale 2: 1.6e37
+    with pytest.raises(AdapterValidationError, match="could reach 4e\\+38"):
+        validate_with(blob, lora_alpha=400)  # scale 50: 4e38
+    validate_with(blob, lora_alpha=40, use_rslora=True)  # alpha / sqrt(8) ≈ 14.1: 1.1e38, under the limit
+    with pytest.raises(AdapterValidationError, match="could reach"):
+        validate_with(blob, lora_alpha=150, use_rslora=True)  # ≈ 53: 4.2e38
+
+
+def test_bfloat16_weights_are_read_as_bfloat16():
+    arrays = good_arrays()
+    blob = bf16_bytes(arrays)
+    spec = validate_with(blob)
+    assert spec.dtype == "bfloat16"
+    arrays[Q_A][0, 0] = 3.0e38
+    with pytest.raises(AdapterValidationError) as excinfo:
+        validate_with(bf16_bytes(arrays))
+    assert excinfo.value.field == Q_A
+
+
+def test_a_float16_base_is_bounded_by_float16s_own_maximum():
+    arrays = {name: np.full(a.shape, 200.0, np.float16) for name, a in good_arrays().items()}
+    blob = from_arrays(arrays)  # every element of B·A is 8 × 200², times 2: 640,000
+    validate_with(blob)  # a float32 base: far under bfloat16's maximum
+    with pytest.raises(AdapterValidationError, match=r"at or over the largest float16 value \(6.55e\+04\)"):
+        validate_with(blob, manifest={**MANIFEST, "dtype": "float16"})
+    assert serving_limit({"dtype": "float32"}) == ("bfloat16", BFLOAT16_MAX)
+    assert serving_limit({"dtype": "torch.bfloat16"}) == ("bfloat16", BFLOAT16_MAX)
+    assert serving_limit({}) == ("bfloat16", BFLOAT16_MAX)
+
+
+def test_the_bound_is_exact_per_row_and_column_across_chunks(monkeypatch):
+    """Row and column norms survive chunk boundaries that split rows (tiny chunks here)."""
+    import adapters.validation as validation
+
+    monkeypatch.setattr(validation, "BOUND_SCAN_CHUNK_BYTES", 12)  # 3 float32s: never a whole row
+    rng = np.random.default_rng(3)
+    arrays = {name: rng.standard_normal(a.shape).astype(np.float32) for name, a in good_arrays().items()}
+    blob = from_arrays(arrays)
+    fh = io.BytesIO(blob)
+    layout = read_layout(fh, len(blob))
+    a, b = arrays[Q_A].astype(np.float64), arrays[Q_B].astype(np.float64)
+    _, col_a = validation._tensor_stats(fh, layout, layout.tensors[Q_A], rows=False)
+    peak_b, row_b = validation._tensor_stats(fh, layout, layout.tensors[Q_B], rows=True)
+    assert col_a == pytest.approx(np.linalg.norm(a, axis=0).max())
+    assert row_b == pytest.approx(np.linalg.norm(b, axis=1).max())
+    assert peak_b == pytest.approx(np.abs(b).max())
+    assert np.abs(b @ a).max() <= row_b * col_a  # it is a bound
+    check_delta_bounds(fh, layout, MANIFEST, scale=2.0)
+
+
+def test_adapters_written_by_peft_pass(peft_adapters, tiny_base_dir):
+    """What PEFT's save_pretrained writes (float32; bfloat16 with rsLoRA on all seven projections) validates."""
+    from adapters.manifest import shape_manifest_from_checkpoint
+
+    manifest = shape_manifest_from_checkpoint(tiny_base_dir)
+    for folder in (peft_adapters.good, peft_adapters.good_other):
+        config = json.loads((folder / "adapter_config.json").read_text())
+        weights = (folder / "adapter_model.safetensors").read_bytes()
+        validate_adapter(config, io.BytesIO(weights), len(weights), manifest, 64)

@@ -38,6 +38,7 @@ class FakeDispatcher:
         result = GenerationResult(
             request_id=job.request_id, status="ok", text=text, token_ids=[5, 6], finish_reason="length",
             prompt_tokens=3, completion_tokens=2, adapter_sha256=job.adapter.sha256 if job.adapter else None,
+            adapter_identity=job.adapter.identity if job.adapter else None,
             queued_s=0.01, first_token_s=0.02, total_s=0.03,
         ).to_dict()
         sha = job.adapter.sha256 if job.adapter else None

@@ -1,6 +1,8 @@
 """Who may call which weights: keys, server-side binding, and the same 404 for everything not yours."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from django.utils import timezone
 
@@ -117,8 +119,27 @@ def test_the_base_model_only_when_named_explicitly_and_allowed(api, post):
     api.acme.may_use_base = False
     api.acme.save()
     r = post(COMPLETIONS, body("base/tiny"), key=api.acme_secret)
-    assert r.status_code == 403 and r.json()["error"]["code"] == "base_model_not_allowed"
+    assert r.status_code == 404 and r.json()["error"]["code"] == "adapter_not_found"
     assert len(api.dispatcher.published) == 1
+
+
+def test_a_base_the_tenant_may_not_use_looks_exactly_like_a_missing_one(api, post, client):
+    """Whether a base model exists is not the business of a tenant that may not call it."""
+    api.acme.may_use_base = False
+    api.acme.save()
+
+    def same_answer(existing, missing):
+        assert existing.status_code == missing.status_code == 404
+        assert existing.json() == json.loads(missing.content.decode().replace("base/nope", "base/tiny"))
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    same_answer(post(COMPLETIONS, body("base/tiny"), key=api.acme_secret),
+                post(COMPLETIONS, body("base/nope"), key=api.acme_secret))
+    same_answer(post("/v1/chat/completions", {"model": "base/tiny", **chat}, key=api.acme_secret),
+                post("/v1/chat/completions", {"model": "base/nope", **chat}, key=api.acme_secret))
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {api.acme_secret}"}
+    same_answer(client.get("/v1/models/base/tiny", **auth), client.get("/v1/models/base/nope", **auth))
+    assert not api.dispatcher.published
 
 
 def test_models_lists_only_the_callers_adapters(api, client):

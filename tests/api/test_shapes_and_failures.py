@@ -7,6 +7,7 @@ import pytest
 
 from gateway.models import AuditRecord
 from gateway.queue import QueueUnavailable
+from gateway.responses import public_worker_id
 from inference_worker.jobs import GenerationResult
 
 pytestmark = pytest.mark.django_db
@@ -31,7 +32,7 @@ def test_a_completion_says_which_weights_answered(api, post):
     assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     meta = data["lorafleet"]
     assert meta["adapter"] == "support-bot" and meta["version"] == 2
-    assert meta["weights_sha256"] == api.acme_v2.sha256 and meta["worker_id"] == "w1"
+    assert meta["weights_sha256"] == api.acme_v2.sha256 and meta["worker_id"] == public_worker_id("w1")
     assert meta["base_model"] == "tiny" and meta["base_sha256"] == api.base.sha256
     assert r["X-Lorafleet-Weights-Sha256"] == api.acme_v2.sha256 and r["X-Lorafleet-Request-Id"] == meta["request_id"]
     job = api.dispatcher.published[0].job
@@ -73,7 +74,8 @@ def test_streaming_sends_openai_chunks_with_metadata_first_and_last(api, post):
     assert chunks[0]["lorafleet"]["weights_sha256"] == api.acme_v2.sha256
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "hello there"
     last_choice = [c for c in chunks if c["choices"]][-1]
-    assert last_choice["choices"][0]["finish_reason"] == "length" and last_choice["lorafleet"]["worker_id"] == "w1"
+    assert last_choice["choices"][0]["finish_reason"] == "length"
+    assert last_choice["lorafleet"]["worker_id"] == public_worker_id("w1")
     assert chunks[-1]["usage"]["total_tokens"] == 5 and chunks[-1]["choices"] == []
     assert AuditRecord.objects.get().status == "ok"
 
@@ -166,7 +168,7 @@ def test_worker_failures_keep_their_code(api, post, code, status):
     api.dispatcher.answer = fail
     r = post("/v1/completions", body(), key=api.acme_secret)
     assert r.status_code == status and r.json()["error"]["code"] == code
-    assert r["X-Lorafleet-Worker"] == "w9"
+    assert r["X-Lorafleet-Worker"] == public_worker_id("w9")
     row = AuditRecord.objects.get()
     assert (row.http_status, row.error_code, row.worker_id, row.attempts) == (status, code, "w9", 2)
 
@@ -182,9 +184,10 @@ def test_an_answer_from_other_weights_is_never_passed_off(api, post):
     assert r.status_code == 502 and r.json()["error"]["code"] == "adapter_integrity_error"
 
 
-def test_metrics_schema_and_docs(api, post, client):
+def test_metrics_schema_and_docs(api, post, client, settings):
+    settings.LORAFLEET_METRICS_TENANT_LABELS = True
     post("/v1/completions", body(), key=api.acme_secret)
-    text = client.get("/metrics").content.decode()
+    text = client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {settings.LORAFLEET_METRICS_TOKEN}").content.decode()
     assert 'lorafleet_http_requests_total{route="completions",status="200",tenant="acme"}' in text
     assert "lorafleet_http_request_duration_seconds_bucket" in text
     schema = client.get("/api/schema/", HTTP_ACCEPT="application/json")

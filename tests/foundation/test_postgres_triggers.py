@@ -50,3 +50,24 @@ def test_pending_row_can_be_finalised_once_then_never_changes(world, postgres):
     with pytest.raises(DatabaseError, match="final"):
         _raw(postgres, "UPDATE gateway_auditrecord SET status = 'pending' WHERE id = %s", [record.pk])
     assert AuditRecord.objects.get(pk=record.pk).status == AuditStatus.OK
+
+
+def test_the_adapter_identity_is_set_once_when_finalised_and_never_changes(world, postgres):
+    record = AuditRecord.objects.create(route="/v1/completions", tenant=world.acme)
+    assert record.adapter_identity is None
+    _raw(postgres, "UPDATE gateway_auditrecord SET status = 'ok', adapter_identity = %s WHERE id = %s",
+         ["1" * 64, record.pk])  # pending -> final, with the identity the worker served
+    with pytest.raises(DatabaseError, match="final"):
+        _raw(postgres, "UPDATE gateway_auditrecord SET adapter_identity = %s WHERE id = %s", ["2" * 64, record.pk])
+    with pytest.raises(DatabaseError, match="final"):
+        _raw(postgres, "UPDATE gateway_auditrecord SET adapter_identity = NULL WHERE id = %s", [record.pk])
+    assert AuditRecord.objects.get(pk=record.pk).adapter_identity == "1" * 64
+
+
+def test_a_pending_row_cannot_swap_its_adapter_identity(world, postgres):
+    record = AuditRecord.objects.create(route="/v1/completions", tenant=world.acme, adapter_identity="1" * 64)
+    for value in ("2" * 64, None):
+        with pytest.raises(DatabaseError, match="identity"):
+            _raw(postgres, "UPDATE gateway_auditrecord SET adapter_identity = %s WHERE id = %s", [value, record.pk])
+    _raw(postgres, "UPDATE gateway_auditrecord SET status = 'error', http_status = 502 WHERE id = %s", [record.pk])
+    assert AuditRecord.objects.get(pk=record.pk).adapter_identity == "1" * 64

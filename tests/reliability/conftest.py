@@ -43,6 +43,7 @@ class RecordingDispatcher:
         result = GenerationResult(
             request_id=job.request_id, status="ok", text="ok then", token_ids=[5, 6], finish_reason="length",
             prompt_tokens=3, completion_tokens=2, adapter_sha256=sha, queued_s=0.0, first_token_s=0.0, total_s=0.0,
+            adapter_identity=job.adapter.identity if job.adapter else None,
         ).to_dict()
         if sent.meta.get("stream"):
             yield {"type": "delta", "text": "ok", "worker_id": "w-test", "adapter_sha256": sha}

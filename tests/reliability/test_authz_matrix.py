@@ -169,8 +169,9 @@ ACTIONS: list[Action] = [
     Action("adapters:audit", "GET", lambda r: reverse("adapters:audit"), _dash(200, 200, 200, 200),
            check=_no_acme_in_body),
     Action("adapters:capacity", "GET", lambda r: reverse("adapters:capacity"), _dash(200, 200, 200, 200)),
-    # --- operator and documentation endpoints (public by design; see docs/RELIABILITY.md) ---------
-    Action("metrics", "GET", lambda r: reverse("metrics"), _everyone(200)),
+    # --- operator and documentation endpoints (schema and docs public by design; see docs/RELIABILITY.md)
+    # /metrics answers only its own bearer token (tests/api/test_metrics.py): no session or API key opens it
+    Action("metrics", "GET", lambda r: reverse("metrics"), _everyone(401)),
     Action("schema", "GET", lambda r: reverse("schema"), _everyone(200)),
     Action("api-docs", "GET", lambda r: reverse("api-docs"), _everyone(200)),
     # --- the inference API -----------------------------------------------------------------------
