@@ -344,3 +344,48 @@ def capacity_table(
         for rank in ranks
         for preset in target_presets
     ]
+
+
+# --- the worker's pool: the same arithmetic the worker sizes itself with (protocol.memory) ----------
+
+
+def parse_fleet_mix(text: str, manifest: dict) -> list:
+    """'8:attention-only:500,16:all-linear:300,4:q_proj+v_proj:200' -> [FleetEntry, ...]."""
+    from protocol.memory import FleetEntry
+
+    entries = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            rank, targets, count = part.split(":")
+            names = TARGET_PRESETS.get(targets) or tuple(t for t in targets.split("+") if t)
+            entries.append(FleetEntry(rank=int(rank), targets=resolve_targets(list(names), manifest),
+                                      count=int(count)))
+        except ValueError as exc:
+            raise CapacityError(f"fleet mix entry {part!r} is not RANK:TARGETS:COUNT ({exc}).") from None
+    return entries
+
+
+def plan_pool(manifest: dict, *, budget_bytes: int, dtype: str = "fp32", block_size: int = 16,
+              max_running: int = 64, prefill_chunk: int = 256, max_lora_rank: int = 64, device: str = "cpu",
+              fleet: list | tuple = (), context_len: int | None = None) -> dict:
+    """What a worker built with these numbers does with its budget: weights, workspace, pages of the one
+    pool (protocol.memory.split_budget, exactly as ModelRunner sizes itself), and with `fleet` resident,
+    the pages adapters take, the pages left for KV and the concurrent full-context sequences.
+
+    `device` only matters for the workspace: on CUDA the worker measures one forward pass and takes the
+    larger of that and this arithmetic, so a CUDA worker's pool may come out a little smaller than this."""
+    from protocol.lora_layout import ModelShape
+    from protocol.memory import BudgetTooSmall, plan_fleet, split_budget, workspace_bytes
+
+    shape = ModelShape.from_config(manifest)
+    db = dtype_bytes(dtype)
+    workspace = workspace_bytes(shape, vocab_size=manifest["vocab_size"], max_batch_tokens=prefill_chunk + max_running,
+                                max_running=max_running, max_context=manifest["max_position_embeddings"],
+                                max_lora_rank=max_lora_rank, dtype_bytes=db, chunked_decode=device != "cuda")
+    try:
+        split = split_budget(budget_bytes=budget_bytes, weights_bytes=base_parameters(manifest) * db,
+                             workspace_bytes=workspace, shape=shape, block_size=block_size, dtype_bytes=db)
+    except BudgetTooSmall as exc:
+        raise CapacityError(str(exc)) from None
+    plan = plan_fleet(split, shape, list(fleet), context_len=context_len or manifest["max_position_embeddings"])
+    return {"split": split.to_dict(), "fleet": plan.to_dict()}

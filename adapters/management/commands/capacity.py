@@ -20,7 +20,9 @@ from adapters.capacity import (
     CapacityError,
     CapacityPlan,
     capacity_table,
+    parse_fleet_mix,
     plan_capacity,
+    plan_pool,
     preset_manifest,
 )
 
@@ -52,11 +54,27 @@ class Command(BaseCommand):
         parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype).")
         parser.add_argument("--block-size", type=int, default=16, help="Paged KV block size (default 16).")
         parser.add_argument("--json", action="store_true", help="Print the plan and table as JSON.")
+        pool = parser.add_argument_group("the worker's memory pool (the arithmetic the worker sizes itself with)")
+        pool.add_argument("--memory-gb", type=float, default=None,
+                          help="A worker's budget (run_worker --memory-gb): prints its pool split and, with --mix, "
+                               "what the fleet leaves for KV.")
+        pool.add_argument("--mix", default="", help="Fleet mix RANK:TARGETS:COUNT,... e.g. 8:attention-only:500,"
+                                                      "16:all-linear:300,4:q_proj+v_proj:200")
+        pool.add_argument("--max-running", type=int, default=64, help="run_worker --concurrency (default 64).")
+        pool.add_argument("--prefill-chunk", type=int, default=256, help="run_worker --prefill-chunk (default 256).")
+        pool.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="Where the worker runs.")
+        pool.add_argument("--max-lora-rank", type=int, default=None,
+                          help="The base's max adapter rank (default: the registered base's, else the platform's).")
 
     def handle(self, *args, **opts) -> None:
+        max_rank = opts["max_lora_rank"]
         if opts["preset"]:
             name = opts["preset"]
             manifest = preset_manifest(name)
+            if max_rank is None:
+                from django.conf import settings
+
+                max_rank = settings.LORAFLEET_DEFAULT_MAX_RANK
         else:
             from adapters.models import BaseModel  # only --base needs the database
 
@@ -65,6 +83,7 @@ class Command(BaseCommand):
             if base is None:
                 raise CommandError(f"No registered base model {name!r} (see manage.py register_base).")
             manifest = base.shape_manifest
+            max_rank = max_rank or base.max_lora_rank
         common = dict(
             dtype=opts["dtype"],
             num_adapters=opts["adapters"],
@@ -80,11 +99,40 @@ class Command(BaseCommand):
         except CapacityError as exc:
             raise CommandError(str(exc)) from None
 
+        pool = None
+        if opts["memory_gb"] is not None:
+            try:
+                fleet = parse_fleet_mix(opts["mix"], manifest) if opts["mix"] else []
+                pool = plan_pool(manifest, budget_bytes=int(opts["memory_gb"] * GB), dtype=opts["dtype"],
+                                 block_size=opts["block_size"], max_running=opts["max_running"],
+                                 prefill_chunk=opts["prefill_chunk"], max_lora_rank=max_rank, device=opts["device"],
+                                 fleet=fleet,
+                                 context_len=opts["context"])
+            except CapacityError as exc:
+                raise CommandError(str(exc)) from None
         if opts["json"]:
-            self.stdout.write(json.dumps({"plan": plan.to_dict(), "table": [p.to_dict() for p in table]}, indent=2))
+            out = {"plan": plan.to_dict(), "table": [p.to_dict() for p in table]}
+            if pool is not None:
+                out["pool"] = pool
+            self.stdout.write(json.dumps(out, indent=2))
+            return
+        if pool is not None:
+            self._print_pool(pool)
             return
         self._print_plan(plan, manifest)
         self._print_table(table, plan)
+
+    def _print_pool(self, pool: dict) -> None:
+        w, s, f = self.stdout.write, pool["split"], pool["fleet"]
+        w(f"Budget {_n(s['budget_bytes'])} bytes = weights {_n(s['weights_bytes'])} + workspace "
+          f"{_n(s['workspace_bytes'])} + pool {_n(s['pool_bytes'])} + unused {_n(s['unused_bytes'])}")
+        w(f"Pool: {_n(s['num_pages'])} pages of {_n(s['page_bytes'])} bytes (one KV block of {s['block_size']} "
+          f"tokens in every layer), shared by KV blocks and resident adapters")
+        if f["pages_per_adapter"]:
+            w(f"Adapter pages per fleet entry {f['pages_per_adapter']}; the whole fleet resident: "
+              f"{_n(f['adapter_pages'])} pages")
+        w(f"KV pages left {_n(f['kv_pages'])}: {_n(f['concurrent_sequences'])} concurrent sequences of "
+          f"{f['context_len']} tokens ({f['blocks_per_sequence']} blocks each)")
 
     def _print_plan(self, plan: CapacityPlan, manifest: dict) -> None:
         w = self.stdout.write
