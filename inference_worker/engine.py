@@ -43,7 +43,7 @@ from .adapter_cache import FAILED, LOADING, NO_ROOM, AdapterCache
 from .jobs import GenerationJob, GenerationResult
 from .metrics import EngineMetrics
 from .model import SeqStep
-from .sampling import IncrementalText, RequestSampler, SamplingParams, sample_next_tokens
+from .sampling import IncrementalText, NonFiniteLogits, RequestSampler, SamplingParams, sample_next_tokens
 
 log = logging.getLogger(__name__)
 
@@ -426,9 +426,13 @@ class Engine:
                 reqs.append(req)
         if rows:
             sel = logits if len(rows) == len(batch) else logits[torch.tensor(rows, device=logits.device)]
-            tokens = sample_next_tokens(sel, samplers)
+            tokens, bad = sample_next_tokens(sel, samplers)
             now = time.perf_counter()
-            for req, tok in zip(reqs, tokens):
+            for row, (req, tok) in enumerate(zip(reqs, tokens)):
+                if row in bad:
+                    code = jobs.NON_FINITE_LOGITS if isinstance(bad[row], NonFiniteLogits) else jobs.INTERNAL_ERROR
+                    self._fail(req, code, str(bad[row]) or repr(bad[row]))
+                    continue
                 try:
                     self._on_token(req, tok, now)
                 except Exception as exc:  # detokenization or a stop check failing: this request only
@@ -476,8 +480,10 @@ class Engine:
             return
         req.handle._publish(req.text.text[: req.text.stable_text_len(False)])
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: _Request, scrub: bool = False) -> None:
         if req.blocks:
+            if scrub:  # a failed request may leave NaN/inf keys; padded gathers of later sequences read blocks
+                self.runner.pool.data[:, req.blocks] = 0
             self.allocator.free(req.blocks)
             req.blocks = []
         if req.ident is not None:
@@ -490,7 +496,7 @@ class Engine:
         if req.done:
             return
         req.done = True
-        self._release(req)
+        self._release(req, scrub=error is not None and error[0] != jobs.CANCELLED)
         self._by_handle.pop(id(req.handle), None)
         if req.text is not None:
             if reason != "cancelled":

@@ -15,6 +15,7 @@ ADAPTER_INTEGRITY_ERROR = "adapter_integrity_error"  # blob's sha256 is not the 
 ADAPTER_LOAD_FAILED = "adapter_load_failed"  # storage read failed, or the blob is not a valid adapter
 PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens does not fit the model's context or the KV pool
 ADAPTER_TOO_LARGE = "adapter_too_large"  # the adapter's pages + the request's KV exceed the worker's pool
+NON_FINITE_LOGITS = "non_finite_logits"  # this request's logits overflowed (its adapter's weights or scale)
 INVALID_REQUEST = "invalid_request"  # parameters the engine cannot honour (empty prompt, bad values)
 CANCELLED = "cancelled"
 ENGINE_STOPPED = "engine_stopped"

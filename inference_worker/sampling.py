@@ -20,6 +20,15 @@ import torch
 from .jobs import GenerationJob
 
 
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS). A tiny but positive temperature would
+# otherwise overflow logits / t to inf and the softmax to NaN; greedy is its limit anyway.
+MIN_TEMPERATURE = 1e-5
+
+
+class NonFiniteLogits(ValueError):
+    """A row's logits hold NaN or inf (e.g. an adapter whose weights overflow): only that request fails."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -29,7 +38,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @classmethod
     def from_job(cls, job: GenerationJob) -> "SamplingParams":
@@ -37,8 +46,8 @@ class SamplingParams:
 
     def validate(self) -> str | None:
         """Why these parameters cannot be honoured, or None."""
-        if self.temperature < 0:
-            return "temperature must be >= 0"
+        if not 0 <= self.temperature < float("inf"):  # also refuses NaN
+            return "temperature must be a finite number >= 0"
         if not 0.0 < self.top_p <= 1.0:
             return "top_p must be in (0, 1]"
         if self.top_k < 0:
@@ -58,7 +67,8 @@ class RequestSampler:
     def sample(self, logits: torch.Tensor) -> int:
         """logits: [vocab] (any device). Returns one token id."""
         p = self.params
-        x = logits.detach().to("cpu", torch.float32) / p.temperature  # [vocab]
+        # fp32, temperature >= MIN_TEMPERATURE and finite logits: x stays finite, and softmax subtracts the max
+        x = logits.detach().to("cpu", torch.float32) / max(p.temperature, MIN_TEMPERATURE)  # [vocab]
         vocab = x.shape[0]
         if 0 < p.top_k < vocab:
             kth = torch.topk(x, p.top_k).values[-1]
@@ -74,15 +84,29 @@ class RequestSampler:
         return int(torch.multinomial(probs, 1, generator=self.generator).item())
 
 
-def sample_next_tokens(logits: torch.Tensor, samplers: list[tuple[int, RequestSampler]]) -> list[int]:
+def sample_next_tokens(logits: torch.Tensor, samplers: list[tuple[int, RequestSampler]]
+                       ) -> tuple[list[int], dict[int, Exception]]:
     """logits: [batch, vocab]; samplers: (row, sampler) for the rows that do not decode greedily.
 
-    Every row is first decided by one argmax over the batch; sampled rows then overwrite theirs.
+    Every row is first decided by one argmax over the batch; sampled rows then overwrite theirs. Returns the
+    tokens and, per failed row, why: a row whose logits are not all finite, or whose sampling raised, fails
+    alone (its token is meaningless); the other rows of the batch are unaffected.
     """
     tokens = torch.argmax(logits, dim=-1).tolist()  # [batch]
+    failed: dict[int, Exception] = {}
+    finite = torch.isfinite(logits).all(dim=-1)  # [batch], one pass over the logits
+    if not bool(finite.all()):
+        for row in torch.nonzero(~finite).flatten().tolist():
+            failed[row] = NonFiniteLogits("the model produced non-finite logits (NaN or inf) for this request; "
+                                          "the adapter's weights or scale overflow the serving dtype")
     for row, sampler in samplers:
-        tokens[row] = sampler.sample(logits[row])
-    return tokens
+        if row in failed:
+            continue
+        try:
+            tokens[row] = sampler.sample(logits[row])
+        except Exception as exc:  # this request only
+            failed[row] = exc
+    return tokens, failed
 
 
 class IncrementalText:

@@ -49,12 +49,12 @@ def test_greedy_rows_take_the_argmax_and_sampled_rows_follow_their_seed():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
     s = RequestSampler(SamplingParams(temperature=1.0, seed=123))
-    tokens = sample_next_tokens(logits, [(2, s)])
+    tokens, _ = sample_next_tokens(logits, [(2, s)])
     assert tokens[0] == int(logits[0].argmax()) and tokens[3] == int(logits[3].argmax())
     # The same seed gives the same draws whatever else is in the batch.
     alone = RequestSampler(SamplingParams(temperature=1.0, seed=123))
-    draws_in_batch = [tokens[2]] + [sample_next_tokens(logits, [(2, s)])[2] for _ in range(20)]
-    draws_alone = [sample_next_tokens(logits[2:3], [(0, alone)])[0] for _ in range(21)]
+    draws_in_batch = [tokens[2]] + [sample_next_tokens(logits, [(2, s)])[0][2] for _ in range(20)]
+    draws_alone = [sample_next_tokens(logits[2:3], [(0, alone)])[0][0] for _ in range(21)]
     assert draws_in_batch == draws_alone
     other = RequestSampler(SamplingParams(temperature=1.0, seed=124))
     assert [other.sample(logits[2]) for _ in range(21)] != draws_alone
@@ -99,3 +99,22 @@ def test_multibyte_characters_are_emitted_whole():
     t.append(0xE2)
     t.flush()
     assert t.text.startswith("né€") and len(t.text) == 4
+
+
+def test_tiny_temperatures_are_greedy_and_non_finite_rows_fail_alone():
+    """Issue 12: temperatures that pass the 0-2 check but overflow logits / t (1e-300, 1e-45, 1e-38) decode
+    greedily; a row with NaN or inf logits fails alone and names why; the other rows keep their tokens."""
+    logits = torch.randn(4, 50)
+    for t in (1e-300, 1e-45, 1e-38, 1e-6):
+        assert SamplingParams(temperature=t).greedy
+    assert SamplingParams(temperature=float("nan")).validate() is not None
+    assert SamplingParams(temperature=float("inf")).validate() is not None
+    bad = logits.clone()
+    bad[1, 3] = float("nan")
+    bad[2, 7] = float("inf")
+    sampler = RequestSampler(SamplingParams(temperature=0.7, seed=1))
+    tokens, failed = sample_next_tokens(bad, [(2, sampler), (3, RequestSampler(SamplingParams(temperature=0.7,
+                                                                                               seed=1)))])
+    assert set(failed) == {1, 2} and "non-finite" in str(failed[1])
+    assert tokens[0] == int(logits[0].argmax())
+    assert tokens[3] == RequestSampler(SamplingParams(temperature=0.7, seed=1)).sample(logits[3])
