@@ -122,7 +122,7 @@ def build_job(draft: audit.AuditDraft, target: Target, params: GenerationParams)
         request_id=str(draft.request_id), adapter=adapter, prompt=params.prompt,
         prompt_token_ids=params.prompt_token_ids, max_tokens=params.max_tokens, temperature=params.temperature,
         top_p=params.top_p, top_k=params.top_k, seed=params.seed, stop=list(params.stop),
-        ignore_eos=params.ignore_eos,
+        ignore_eos=params.ignore_eos, tenant=str(draft.tenant.pk) if draft.tenant is not None else "",
     )
 
 

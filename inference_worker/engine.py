@@ -27,13 +27,14 @@ error code; if a forward pass raises, the batch is re-run sequence by sequence t
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
 import queue
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
 from typing import Callable, Iterator
 
 import torch
@@ -106,7 +107,7 @@ class _Request:
 
     __slots__ = (
         "job", "handle", "key", "prompt_ids", "out_ids", "blocks", "num_computed", "slot", "ident",
-        "sampler", "text", "stop_ids", "t_submit", "t_admit", "t_first", "done", "waited_memory",
+        "sampler", "text", "stop_ids", "t_submit", "t_admit", "t_first", "done", "waited_memory", "counted",
     )
 
     def __init__(self, job: GenerationJob, handle: RequestHandle, key: int):
@@ -127,6 +128,10 @@ class _Request:
         self.t_first: float | None = None
         self.done = False
         self.waited_memory = False  # counted once in admissions_waited_memory
+        self.counted = False  # counted in its tenant's active requests (engine._active)
+
+
+W_PROMPT, W_OUTPUT = 1.0, 2.0  # VTC weights of a prompt token and a generated token (the paper's)
 
 
 class Engine:
@@ -159,6 +164,13 @@ class Engine:
         self._running: list[_Request] = []
         self._by_handle: dict[int, _Request] = {}
         self._keys = itertools.count()
+        # Virtual token counters (Sheng et al., "Fairness in Serving LLMs", OSDI 2024): service received per
+        # tenant, prompt tokens weighted W_PROMPT and generated tokens W_OUTPUT. Admission and the prefill
+        # budget go to the tenant with the least service first; a tenant that becomes active starts at the
+        # least counter among the active, so idle time is not banked. Work-conserving: one busy tenant gets
+        # everything.
+        self._vtc: dict[str, float] = defaultdict(float)
+        self._active: dict[str, int] = defaultdict(int)  # tenant -> requests waiting or running
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False  # set when the loop has ended; submissions then fail at once
@@ -291,6 +303,13 @@ class Engine:
         if err is not None:
             self._fail(req, *err)
         else:
+            t = job.tenant
+            if self._active[t] == 0:  # becomes active: no banking of idle time
+                others = [self._vtc[x] for x, n in self._active.items() if n > 0]
+                if others:
+                    self._vtc[t] = max(self._vtc[t], min(others))
+            self._active[t] += 1
+            req.counted = True
             self._waiting.append(req)
 
     def _prepare(self, req: _Request) -> tuple[str, str] | None:
@@ -339,62 +358,78 @@ class Engine:
         return math.ceil((len(req.prompt_ids) + req.job.max_tokens) / self.block_size)
 
     def _admit(self) -> None:
-        """FCFS admission bounded by max_running and by the memory pool, which KV blocks and resident
-        adapters share. A request that waits for memory holds the line (nothing later takes the pages it
-        waits for, so it cannot starve) and holds no pin while it waits (so waiting requests cannot
-        deadlock each other). A request whose adapter is still loading does not hold the line."""
+        """Admission bounded by max_running and by the memory pool, which KV blocks and resident adapters
+        share, in fair order: the tenant with the least virtual service first, each tenant's requests in
+        arrival order. A request that waits for memory holds the line (nothing behind it takes the pages it
+        waits for, so it cannot starve) and holds no pin while it waits (so waiting requests cannot deadlock
+        each other). A request whose adapter is still loading does not hold the line."""
         if not self._waiting:
             return
-        kept: deque[_Request] = deque()
-        blocked = False
-        while self._waiting:
-            req = self._waiting.popleft()
-            if req.done:  # cancelled while waiting
-                continue
-            if blocked or len(self._running) >= self.max_running:
+        queues: dict[str, deque[_Request]] = defaultdict(deque)
+        for req in self._waiting:
+            if not req.done:  # cancelled while waiting
+                queues[req.job.tenant].append(req)
+        heap = [(self._vtc[t], q[0].key, t) for t, q in queues.items()]
+        heapq.heapify(heap)
+        kept: list[_Request] = []
+        while heap:
+            _, _, t = heapq.heappop(heap)
+            req = queues[t].popleft()
+            outcome = "full" if len(self._running) >= self.max_running else self._try_admit(req)
+            if outcome in ("full", "blocked"):  # the line stops here: keep everything not yet admitted
                 kept.append(req)
-                continue
-            ref = req.job.adapter
-            if ref is not None and req.ident is None:
-                got = self.cache.acquire(ref, req.key)
-                if got.state == FAILED:
-                    self._fail(req, got.error_code, got.error_message)
-                    continue
-                if got.state == LOADING:  # loads off-thread; those behind it go ahead
-                    kept.append(req)
-                    continue
-                if got.state == NO_ROOM:  # pinned adapters and KV blocks leave no run of pages for it
-                    self._wait_for_memory(req, kept)
-                    blocked = True
-                    continue
-                req.slot, req.ident = got.slot, ref.identity
-            need = self._blocks_needed(req)
-            if self.allocator.num_free < need and self.cache is not None:
-                self.cache.reclaim(need)  # idle adapters give their pages back to the KV cache
-            if self.allocator.num_free < need:
-                if req.ident is not None:  # wait unpinned: the adapter stays resident unless room is needed
-                    self.cache.release(req.ident)
-                    req.slot, req.ident = -1, None
-                self._wait_for_memory(req, kept)
-                blocked = True
-                continue
-            req.blocks = self.allocator.allocate(need)
-            req.t_admit = time.perf_counter()
-            self._running.append(req)
-        self._waiting = kept
+                for q in queues.values():
+                    kept.extend(q)
+                break
+            if outcome == "loading":
+                kept.append(req)
+            elif outcome == "admitted":
+                self._vtc[t] += W_PROMPT * len(req.prompt_ids)
+            if queues[t]:
+                heapq.heappush(heap, (self._vtc[t], queues[t][0].key, t))
+        kept.sort(key=lambda r: r.key)
+        self._waiting = deque(kept)
 
-    def _wait_for_memory(self, req: _Request, kept: deque) -> None:
-        kept.append(req)
+    def _try_admit(self, req: _Request) -> str:
+        """'admitted', 'failed', 'loading' (its adapter loads off-thread) or 'blocked' (waits for memory)."""
+        ref = req.job.adapter
+        if ref is not None and req.ident is None:
+            got = self.cache.acquire(ref, req.key)
+            if got.state == FAILED:
+                self._fail(req, got.error_code, got.error_message)
+                return "failed"
+            if got.state == LOADING:
+                return "loading"
+            if got.state == NO_ROOM:  # pinned adapters and KV blocks leave no run of pages for it
+                self._wait_for_memory(req)
+                return "blocked"
+            req.slot, req.ident = got.slot, ref.identity
+        need = self._blocks_needed(req)
+        if self.allocator.num_free < need and self.cache is not None:
+            self.cache.reclaim(need)  # idle adapters give their pages back to the KV cache
+        if self.allocator.num_free < need:
+            if req.ident is not None:  # wait unpinned: the adapter stays resident unless room is needed
+                self.cache.release(req.ident)
+                req.slot, req.ident = -1, None
+            self._wait_for_memory(req)
+            return "blocked"
+        req.blocks = self.allocator.allocate(need)
+        req.t_admit = time.perf_counter()
+        self._running.append(req)
+        return "admitted"
+
+    def _wait_for_memory(self, req: _Request) -> None:
         if not req.waited_memory:
             req.waited_memory = True
             self.metrics.admissions_waited_memory += 1
 
     def _step(self) -> None:
         t0 = time.perf_counter()
-        # Prefill budget goes to requests in admission order, so an old long prompt is not starved.
+        # Prefill budget goes to the tenant with the least service first (VTC), and within a tenant in
+        # admission order, so an old long prompt is not starved by its own tenant's newer ones.
         budget = self.prefill_chunk
         batch: list[tuple[_Request, SeqStep]] = []
-        for req in self._running:
+        for req in sorted(self._running, key=lambda r: (self._vtc[r.job.tenant], r.key)):
             start = req.num_computed
             left = len(req.prompt_ids) - start
             if left > 0:
@@ -468,6 +503,7 @@ class Engine:
             req.t_first = now
         req.out_ids.append(tok)
         self.metrics.tokens_generated += 1
+        self._vtc[req.job.tenant] += W_OUTPUT
         job = req.job
         if tok in req.stop_ids or (tok in self.eos_ids and not job.ignore_eos):
             self._finish(req, "stop")
@@ -497,6 +533,9 @@ class Engine:
             return
         req.done = True
         self._release(req, scrub=error is not None and error[0] != jobs.CANCELLED)
+        if req.counted:  # it was waiting or running: its tenant has one request fewer in the engine
+            req.counted = False
+            self._active[req.job.tenant] -= 1
         self._by_handle.pop(id(req.handle), None)
         if req.text is not None:
             if reason != "cancelled":

@@ -87,6 +87,7 @@ class GenerationJob:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    tenant: str = ""  # an opaque tenant id: the engine shares the worker fairly between tenants (VTC)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # asdict recurses: the adapter becomes AdapterRef.to_dict()'s dict
