@@ -211,7 +211,7 @@ class AdapterCache:
         self._pins: dict[str, int] = {}
         self._sha_of: dict[str, str] = {}  # identity -> weights sha256, for worker_status
         self.counters = {
-            "hits": 0, "cold_loads": 0, "load_failures": 0, "host_evictions": 0, "evictions": 0,
+            "hits": 0, "resident_hits": 0, "cold_loads": 0, "load_failures": 0, "host_evictions": 0, "evictions": 0,
             "device_loads": 0, "load_seconds": 0.0, "device_load_seconds": 0.0,
         }
 
@@ -231,6 +231,7 @@ class AdapterCache:
                 return Acquired(FAILED, error_code=err.code, error_message=err.message)
             slot = self._slot_of.get(key)
             if slot is not None:
+                self.counters["resident_hits"] += 1
                 return self._pin(key, slot, waiter)
             host = self._host.get(key)
             if host is None:
