@@ -144,6 +144,7 @@ class Engine:
         host_cache_bytes: int = 2 << 30,
         prefill_chunk: int = 256,
         loader_threads: int = 2,
+        fair: bool = True,
     ):
         self.runner = runner
         self.tokenizer = runner.tokenizer
@@ -169,6 +170,7 @@ class Engine:
         # budget go to the tenant with the least service first; a tenant that becomes active starts at the
         # least counter among the active, so idle time is not banked. Work-conserving: one busy tenant gets
         # everything.
+        self.fair = fair  # False: every job counts as one tenant, i.e. plain FIFO (for comparisons)
         self._vtc: dict[str, float] = defaultdict(float)
         self._active: dict[str, int] = defaultdict(int)  # tenant -> requests waiting or running
         self._thread: threading.Thread | None = None
@@ -292,6 +294,8 @@ class Engine:
                     self._running = [r for r in self._running if not r.done]
 
     def _accept(self, handle: RequestHandle, job: GenerationJob) -> None:
+        if not self.fair:
+            job.tenant = ""
         req = _Request(job, handle, next(self._keys))
         self._by_handle[id(handle)] = req
         self.metrics.requests_submitted += 1

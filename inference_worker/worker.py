@@ -134,7 +134,8 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
         runner = ModelRunner(checkpoint_path, device=device, max_lora_rank=max_lora_rank, memory_bytes=budget,
                              max_running=concurrency, max_batch_tokens=prefill_chunk + concurrency)
         # the engine verifies each blob's sha256
-        engine = Engine(runner, load_blob, max_running=concurrency, prefill_chunk=prefill_chunk)
+        fair = os.environ.get("LORAFLEET_WORKER_FAIR", "1").lower() not in ("0", "false", "no")  # 0: FIFO
+        engine = Engine(runner, load_blob, max_running=concurrency, prefill_chunk=prefill_chunk, fair=fair)
         engine.start()
         _runtime = WorkerRuntime(base_slug=base_slug, base_sha256=base_sha256, queue=queue,
                                  checkpoint_path=str(checkpoint_path), engine=engine,
