@@ -11,9 +11,8 @@ from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+from protocol.lora_layout import ATTENTION_MODULES, BLOCK_OF, MLP_MODULES, TARGET_MODULES, ModelShape  # noqa: F401
+from protocol.lora_layout import peft_tensor_name
 
 
 class ManifestError(ValueError):
@@ -36,25 +35,16 @@ def shape_manifest_from_config(config: dict) -> dict:
         raise ManifestError(f"config.json lacks {exc.args[0]!r}.") from None
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or hidden // heads)
-    q_out = heads * head_dim
-    kv_out = kv_heads * head_dim
-    shapes = {
-        "q_proj": (hidden, q_out, "self_attn"),
-        "k_proj": (hidden, kv_out, "self_attn"),
-        "v_proj": (hidden, kv_out, "self_attn"),
-        "o_proj": (q_out, hidden, "self_attn"),
-        "gate_proj": (hidden, intermediate, "mlp"),
-        "up_proj": (hidden, intermediate, "mlp"),
-        "down_proj": (intermediate, hidden, "mlp"),
-    }
+    shape = ModelShape(num_layers=layers, hidden_size=hidden, intermediate_size=intermediate, num_heads=heads,
+                       num_kv_heads=kv_heads, head_dim=head_dim)
     modules = {
         name: {
             "in_features": d_in,
             "out_features": d_out,
             "layers": layers,
-            "path": f"model.layers.{{layer}}.{block}.{name}",
+            "path": f"model.layers.{{layer}}.{BLOCK_OF[name]}.{name}",
         }
-        for name, (d_in, d_out, block) in shapes.items()
+        for name, (d_in, d_out) in shape.projections().items()
     }
     return {
         "architecture": arch,
@@ -104,6 +94,6 @@ def shape_manifest_from_checkpoint(path: str | Path) -> dict:
 
 def lora_tensor_names(manifest: dict, module: str, layer: int) -> tuple[str, str]:
     """PEFT's names for the A and B matrices of one module in one layer."""
-    path = manifest["modules"][module]["path"].format(layer=layer)
-    prefix = f"base_model.model.{path}"
-    return f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"
+    if module not in manifest["modules"]:
+        raise KeyError(module)
+    return peft_tensor_name(layer, module, "A"), peft_tensor_name(layer, module, "B")

@@ -21,7 +21,7 @@ from typing import BinaryIO
 import numpy as np
 
 from adapters.manifest import lora_tensor_names
-from adapters.safetensors_check import (
+from protocol.safetensors_check import (
     DTYPE_NAMES, MAX_ENTRIES, SafetensorsError, SafetensorsLayout, TensorInfo, check_finite, iter_tensor_chunks,
     read_layout,
 )

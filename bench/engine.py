@@ -53,7 +53,7 @@ from inference_worker.model import ModelRunner  # noqa: E402
 from demo.tiny_base import build_tiny_base  # noqa: E402
 from tests.support.peft_factory import make_random_peft_adapter  # noqa: E402
 
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS  # noqa: E402
 MODELS = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
     "mid": dict(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816),

@@ -2,7 +2,7 @@
 
     loader(storage_key) -> a buffer   (injected: bytes from any storage, or `map_file` for a local file)
       -> sha256 == job's AdapterRef.sha256, else `adapter_integrity_error` (never served)
-      -> safetensors header checked (adapters.safetensors_check), tensors viewed in place (never pickle)
+      -> safetensors header checked (protocol.safetensors_check), tensors viewed in place (never pickle)
       -> names and shapes checked against the base model's projections
       -> host LRU, bounded in bytes
       -> pages of the device memory pool, as many as its real rank and targets need (runner.load_adapter)
@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import re
 import threading
 import time
 import warnings
@@ -37,19 +36,11 @@ from typing import Callable, Hashable
 
 import torch
 
-from adapters.safetensors_check import SafetensorsError, read_layout  # Django-free, torch-free
-
-from protocol.lora_layout import BLOCK_OF as _BLOCK_OF
-from protocol.lora_layout import ModelShape
+from protocol.lora_layout import ModelShape, parse_peft_name
+from protocol.safetensors_check import SafetensorsError, read_layout  # Django-free, torch-free
 
 from .jobs import ADAPTER_INTEGRITY_ERROR, ADAPTER_LOAD_FAILED, AdapterRef
 from .lora import NoRoom
-_PEFT_NAME = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_(A|B)\.weight$"
-)
-
-
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -150,11 +141,11 @@ def check_adapter_weights(weights: dict[str, torch.Tensor], ref: AdapterRef, sha
         fail("holds no tensors")
     seen: dict[tuple[int, str], set[str]] = {}
     for name, t in weights.items():
-        m = _PEFT_NAME.match(name)
-        if m is None:
+        parsed = parse_peft_name(name)
+        if parsed is None:
             fail(f"tensor {name!r} is not a lora_A/lora_B weight of a target projection")
-        layer, block, module, kind = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if block != _BLOCK_OF[module] or layer >= shapes.num_layers:
+        layer, module, kind = parsed
+        if layer >= shapes.num_layers:
             fail(f"tensor {name!r} does not exist in the base model ({shapes.num_layers} layers)")
         if not t.is_floating_point():
             fail(f"tensor {name!r} has dtype {t.dtype}, not floating point")

@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from protocol.lora_layout import peft_scale
+
 # Error codes a GenerationResult may carry; the gateway maps them to HTTP answers.
 ADAPTER_INTEGRITY_ERROR = "adapter_integrity_error"  # blob's sha256 is not the one the job expects
 ADAPTER_LOAD_FAILED = "adapter_load_failed"  # storage read failed, or the blob is not a valid adapter
@@ -52,7 +54,7 @@ class AdapterRef:
     @property
     def scale(self) -> float:
         """PEFT's scaling: alpha / r, or alpha / sqrt(r) for rsLoRA."""
-        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
+        return peft_scale(self.alpha, self.rank, self.use_rslora)
 
     @property
     def identity(self) -> str:

@@ -14,33 +14,26 @@ the size of a max-rank all-linear adapter, whatever the adapters placed in them 
 """
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from kernels import LoraMapping, LoraTable, add_lora
-from protocol.lora_layout import TARGET_MODULES, ModelShape, peft_scale  # noqa: F401  (peft_scale re-exported)
+from protocol.lora_layout import TARGET_MODULES, ModelShape, parse_peft_name
 from protocol.memory import adapter_layout, adapter_pages
 
 from .memory_pool import PagePool
 
 TARGETS = TARGET_MODULES
 
-# PEFT names, saved ("...q_proj.lora_A.weight") or in memory ("...q_proj.lora_A.default.weight").
-_PEFT_KEY = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    r"\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$"
-)
-
-
 def parse_peft_key(name: str) -> tuple[int, str, str]:
-    """'base_model.model.model.layers.3.mlp.up_proj.lora_B.weight' -> (3, 'up_proj', 'B')."""
-    m = _PEFT_KEY.search(name)
-    if m is None:
+    """'base_model.model.model.layers.3.mlp.up_proj.lora_B.weight' -> (3, 'up_proj', 'B'); in-memory PEFT
+    names ('...lora_B.default.weight') too."""
+    parsed = parse_peft_name(name, saved=False)
+    if parsed is None:
         raise ValueError(f"tensor {name!r} is not a LoRA A/B weight of a target projection")
-    return int(m.group(1)), m.group(2), m.group(3)
+    return parsed
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ worker's adapter cache and its LoRA layers all read it from here.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -63,3 +64,29 @@ class ModelShape:
 def peft_scale(alpha: float, rank: int, use_rslora: bool) -> float:
     """PEFT's LoRA scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
     return alpha / (rank ** 0.5) if use_rslora else alpha / rank
+
+
+# PEFT's tensor names: saved "base_model.model.model.layers.3.mlp.up_proj.lora_B.weight"; in memory PEFT adds
+# the adapter's name ("...up_proj.lora_B.default.weight"). One pattern for both, used by upload validation
+# (saved names only), the worker's adapter cache (saved names only) and the LoRA layers (either).
+_PEFT_NAME = re.compile(
+    r"^(?P<prefix>.*?)(?:^|\.)layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\."
+    r"(?P<module>" + "|".join(TARGET_MODULES) + r")\.lora_(?P<ab>[AB])(?P<adapter>\.[A-Za-z0-9_]+)?\.weight$"
+)
+SAVED_PREFIX = "base_model.model.model"
+
+
+def peft_tensor_name(layer: int, module: str, ab: str) -> str:
+    """The saved PEFT name of lora_A / lora_B of `module` in `layer`."""
+    return f"{SAVED_PREFIX}.layers.{layer}.{BLOCK_OF[module]}.{module}.lora_{ab}.weight"
+
+
+def parse_peft_name(name: str, *, saved: bool = True) -> tuple[int, str, str] | None:
+    """(layer, module, 'A' | 'B') of a PEFT LoRA weight name, or None when it is not one. `saved`: only
+    the exact names PEFT saves (the interchange format); otherwise in-memory names are accepted too."""
+    m = _PEFT_NAME.match(name)
+    if m is None or BLOCK_OF[m.group("module")] != m.group("block"):
+        return None
+    if saved and (m.group("adapter") or m.group("prefix") != SAVED_PREFIX):
+        return None
+    return int(m.group("layer")), m.group("module"), m.group("ab")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from adapters.manifest import lora_tensor_names, shape_manifest_from_config
-from adapters.safetensors_check import SafetensorsError, check_finite, read_layout
+from protocol.safetensors_check import SafetensorsError, check_finite, read_layout
 from adapters.validation import (
     BFLOAT16_MAX, AdapterValidationError, check_config, check_delta_bounds, parse_config, serving_limit,
     validate_adapter,

@@ -12,7 +12,7 @@ from inference_worker.jobs import AdapterRef, GenerationJob
 from inference_worker.model import ModelRunner
 from tests.support.peft_factory import make_random_peft_adapter
 
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
 TARGET_SETS = [("q_proj", "v_proj"), ALL_TARGETS, ("o_proj", "down_proj"), ("k_proj", "gate_proj", "up_proj")]
 RANKS = [4, 8, 16, 32, 64]
 PROMPTS = [
