@@ -74,11 +74,12 @@ def _run(job: GenerationJob, meta: dict, runtime, channel, deadline: float) -> G
     try:
         if meta.get("stream"):
             verified = job.adapter.sha256 if job.adapter is not None else None
+            identity = job.adapter.identity if job.adapter is not None else None
             checked = time.monotonic()
             # A token exists only once the adapter was loaded and its sha256 verified against the job's.
             for delta in handle.stream(timeout=timeout):
                 channel.push(job.request_id, {"type": "delta", "text": delta, "worker_id": runtime.worker_id,
-                                              "adapter_sha256": verified})
+                                              "adapter_sha256": verified, "adapter_identity": identity})
                 if time.monotonic() - checked > CANCEL_CHECK_S:
                     checked = time.monotonic()
                     if channel.is_cancelled(job.request_id) or time.time() > deadline + GRACE_S:
