@@ -237,6 +237,23 @@ LORAFLEET_METRICS_TENANT_LABELS = env_bool("LORAFLEET_METRICS_TENANT_LABELS", de
 LORAFLEET_LOGIN_MAX_FAILURES = env_int("LORAFLEET_LOGIN_MAX_FAILURES", 5)
 LORAFLEET_LOGIN_LOCKOUT_S = env_int("LORAFLEET_LOGIN_LOCKOUT_S", 15 * 60)
 
+# --- e-mail (invitation links, tenants/invitations.py) ------------------------------------------
+# The embedded default prints mails to the web process's log (they carry the invitation link); production
+# sets DJANGO_EMAIL_BACKEND=django.core.mail.backends.smtp.EmailBackend and the DJANGO_EMAIL_* server below.
+EMAIL_BACKEND = env_str("DJANGO_EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+DEFAULT_FROM_EMAIL = env_str("DJANGO_DEFAULT_FROM_EMAIL", "lorafleet <noreply@localhost>")
+SERVER_EMAIL = DEFAULT_FROM_EMAIL
+EMAIL_HOST = env_str("DJANGO_EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("DJANGO_EMAIL_PORT", 587)
+EMAIL_HOST_USER = env_str("DJANGO_EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = env_str("DJANGO_EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_SSL = env_bool("DJANGO_EMAIL_USE_SSL", default=False)  # implicit TLS (port 465)
+EMAIL_USE_TLS = env_bool("DJANGO_EMAIL_USE_TLS", default=not EMAIL_USE_SSL)  # STARTTLS (port 587)
+if EMAIL_USE_TLS and EMAIL_USE_SSL:
+    raise ImproperlyConfigured("Set at most one of DJANGO_EMAIL_USE_TLS and DJANGO_EMAIL_USE_SSL.")
+# An SMTP server that does not answer must not hold the inviting request (the mail is sent inline).
+EMAIL_TIMEOUT = env_int("DJANGO_EMAIL_TIMEOUT", 10)
+
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_AUTHENTICATION_CLASSES": [],

@@ -102,6 +102,9 @@ def timed_out(seconds: float) -> ApiError:
 
 
 # Worker error codes (inference_worker.jobs) -> HTTP status. Anything unknown is a 500.
+# adapter_too_large is a 422, not a 5xx: the adapter's pages plus this request's KV blocks exceed the
+# worker's whole memory pool, so it can never run there and retrying the same request cannot help (a smaller
+# max_tokens or prompt, or an adapter of lower rank or fewer targets, can). Not 413: the body is not too large.
 WORKER_ERROR_STATUS = {
     "adapter_load_failed": 502,
     "adapter_integrity_error": 502,
@@ -109,15 +112,26 @@ WORKER_ERROR_STATUS = {
     "base_mismatch": 502,
     "prompt_too_long": 400,
     "invalid_request": 400,
+    "adapter_too_large": 422,
     "timeout": 504,
     "cancelled": 504,
     "engine_stopped": 503,
 }
 
 
+# What a client can change about a worker refusal, appended to the worker's own sentence.
+_WORKER_ERROR_HINTS = {
+    "adapter_too_large": "This adapter cannot be served with this request on this base's workers: lower max_tokens "
+                         "or shorten the prompt, or use an adapter of lower rank or with fewer target modules.",
+}
+_WORKER_ERROR_PARAM = {"prompt_too_long": "prompt", "adapter_too_large": "model"}
+
+
 def from_worker(code: str | None, message: str | None) -> ApiError:
     code = code or "internal_error"
     status = WORKER_ERROR_STATUS.get(code, 500)
     kind = "invalid_request_error" if status < 500 else "server_error"
-    param = "prompt" if code == "prompt_too_long" else None
-    return ApiError(status, code, message or code.replace("_", " "), type=kind, param=param)
+    text = message or code.replace("_", " ")
+    if code in _WORKER_ERROR_HINTS:
+        text = f"{text.rstrip('.')}. {_WORKER_ERROR_HINTS[code]}"
+    return ApiError(status, code, text, type=kind, param=_WORKER_ERROR_PARAM.get(code))

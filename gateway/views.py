@@ -18,7 +18,8 @@ from .binding import BASE_PREFIX, resolve_target
 from .errors import ApiError
 from .serving import serve
 
-_ERRORS = {code: OpenApiResponse(s.ErrorResponse) for code in (400, 401, 403, 404, 409, 410, 413, 429, 502, 503, 504)}
+_ERRORS = {code: OpenApiResponse(s.ErrorResponse)
+           for code in (400, 401, 403, 404, 409, 410, 413, 422, 429, 502, 503, 504)}
 _SSE = OpenApiResponse(OpenApiTypes.STR, description="With `stream: true`: server-sent events, one OpenAI chunk "
                                                      "per `data:` line, then `data: [DONE]`.")
 

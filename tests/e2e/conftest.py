@@ -179,6 +179,21 @@ def worker_metric(metrics_url: str, name: str) -> float:
     raise AssertionError(f"{name} not exported at {metrics_url}")
 
 
+def web_metrics(url: str, token: str) -> str:
+    """The web's /metrics exposition, fetched with its bearer token (LORAFLEET_METRICS_TOKEN)."""
+    r = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert r.status_code == 200, f"/metrics with the token: {r.status_code} {r.text[:300]}"
+    return r.text
+
+
+def series_value(exposition: str, series: str) -> float | None:
+    """The value of one series (`name{labels}` exactly as exported), or None when it is not exported."""
+    for line in exposition.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 def _poster(url: str):
     def post(key: str | None, body: dict, path: str = "/v1/completions", *, headers: dict | None = None,
              timeout: float = 120) -> httpx.Response:
@@ -208,6 +223,9 @@ def e2e(tmp_path_factory):
         "LORAFLEET_STORAGE_DIR": str(root / "storage"),
         "LORAFLEET_LOG_LEVEL": "WARNING",
         "TRITON_INTERPRET": "1",
+        # /metrics answers only this token; per-tenant request series so tests can tell tenants apart
+        "LORAFLEET_METRICS_TOKEN": secrets.token_urlsafe(24),
+        "LORAFLEET_METRICS_TENANT_LABELS": "1",
     }
     env.pop("CELERY_RESULT_BACKEND", None)
     stack = Stack(root, env)
@@ -226,7 +244,8 @@ def e2e(tmp_path_factory):
         worker = stack.start_worker(seed["bases"]["main"]["slug"])
         yield SimpleNamespace(stack=stack, seed=seed, url=stack.web_url, worker=worker, root=root,
                               storage=root / "storage", checkpoint=checkpoint, db_url=env["DATABASE_URL"],
-                              suffix=suffix, env=env, metric=worker_metric, post=_poster(stack.web_url))
+                              suffix=suffix, env=env, metric=worker_metric, post=_poster(stack.web_url),
+                              web_metrics=lambda: web_metrics(stack.web_url, env["LORAFLEET_METRICS_TOKEN"]))
     finally:
         stack.close()
         with pg_connect(ADMIN_DB_URL) as admin:

@@ -5,6 +5,8 @@ import time
 
 import httpx
 
+from tests.e2e.conftest import series_value
+
 
 def audit_row(db_rows, request_id: str) -> dict:
     rows = db_rows("SELECT * FROM gateway_auditrecord WHERE request_id::text = %s", (request_id,))
@@ -84,17 +86,21 @@ def test_no_worker_in_time_is_a_504_on_the_record(e2e, db_rows):
 
 
 def test_cross_tenant_matrix_is_404_and_enqueues_nothing(e2e, db_rows):
-    """Tenant B's key against tenant A's adapter: by name, by name@N, through /v1/models."""
+    """Tenant B's key against tenant A's adapter: by name, by name@N, through /v1/models. Nothing reaches
+    the queue: the web's enqueue counter, shown to count by B's own request first, does not move."""
     b = e2e.seed["keys"]["b"]
     main = e2e.seed["bases"]["main"]["slug"]
+    series = f'lorafleet_jobs_enqueued_total{{base="{main}"}}'
 
     def enqueued() -> float:
-        for line in httpx.get(e2e.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith(f'lorafleet_jobs_enqueued_total{{base="{main}"}}'):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        value = series_value(e2e.web_metrics(), series)
+        assert value is not None, f"{series} is not exported: the check below would prove nothing"
+        return value
 
+    unseen = series_value(e2e.web_metrics(), series) or 0.0  # absent until the first job of the session
+    assert e2e.post(b, {"model": "b-0", "prompt": "Hi", "max_tokens": 2}).status_code == 200  # B's own adapter
     before = enqueued()
+    assert before == unseen + 1
     for model in ("a-1", "a-1@1", "a-2@1"):
         for path, body in (("/v1/completions", {"model": model, "prompt": "Hi"}),
                            ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi"}]})):

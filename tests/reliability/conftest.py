@@ -81,8 +81,9 @@ def peft_folder(tiny_checkpoint, tmp_path_factory) -> Path:
 @pytest.fixture
 def realm(world, tiny_checkpoint, dispatcher, adapter_storage_dir):
     """`world` plus everything the matrix needs: dave (member of acme), eve (no tenant), an adapter
-    only acme has (so another tenant's key cannot resolve the same name in its own tenant), and acme
-    keys that are revoked, expired, or carry a bad checksum. The base is servable (real tokenizer)."""
+    only acme has (so another tenant's key cannot resolve the same name in its own tenant), acme
+    keys that are revoked, expired, or carry a bad checksum, and an open acme invitation addressed to
+    charlie (its link token in `acme_invitation_token`). The base is servable (real tokenizer)."""
     from django.contrib.auth import get_user_model
     from django.utils import timezone
 
@@ -91,7 +92,7 @@ def realm(world, tiny_checkpoint, dispatcher, adapter_storage_dir):
     from adapters.services import activate_version, create_adapter
     from gateway.models import AuditRecord
     from tenants.models import ApiKey, Role
-    from tenants.services import add_member, issue_api_key, revoke_api_key
+    from tenants.services import add_member, do_invite, issue_api_key, revoke_api_key
 
     w = world
     BaseModel.objects.filter(pk=w.base.pk).update(
@@ -110,6 +111,8 @@ def realm(world, tiny_checkpoint, dispatcher, adapter_storage_dir):
     ApiKey.objects.filter(pk=expired.pk).update(expires_at=timezone.now() - timedelta(days=1))
     last = w.acme_secret[-1]
     w.badsum_secret = w.acme_secret[:-1] + ("A" if last != "A" else "B")
+    # Addressed to charlie, a user of another tenant: only he may see and answer it.
+    w.acme_invitation, w.acme_invitation_token = do_invite(w.acme, "charlie", Role.VIEWER, actor=w.alice)
     # An acme audit row with a marker a cross-tenant page must never show.
     w.acme_audit = AuditRecord.objects.create(route="completions", tenant=w.acme, key_prefix=w.acme_key.prefix,
                                               adapter=w.acme_only, adapter_name="acme-only", status="ok",

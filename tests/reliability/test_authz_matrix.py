@@ -8,6 +8,10 @@ route added to config/urls.py without a row here fails `test_every_route_has_exp
 
 Cross-tenant callers must never get a 2xx on acme's objects, pages they may open (their own lists)
 must not show acme's data, and a refused API request must not reach the queue boundary.
+
+Invitations are the one acme object with an addressee outside acme: the realm's open acme invitation is
+addressed to charlie, so he (and only he) may see, accept or decline it; to everyone else, acme's own
+owner included, it is a 404 like any object that is not theirs.
 """
 from __future__ import annotations
 
@@ -92,10 +96,64 @@ def _deleted_only_by_owner(realm, caller, response):
     assert (realm.acme_adapter.deleted_at is not None) == (caller == "owner"), caller
 
 
-def _eve_joins_acme_only_by_owner(realm, caller, response):
+def _eve_invited_to_acme_only_by_owner(realm, caller, response):
+    """Posting the invite form creates an open acme invitation for eve only as acme's owner, and nobody
+    ever makes eve a member: she joins only by accepting, from her own session."""
+    from tenants.models import Invitation, Membership
+
+    invited = Invitation.objects.for_tenant(realm.acme).open().filter(invited_as="eve").exists()
+    assert invited == (caller == "owner"), caller
+    assert not Membership.objects.filter(tenant=realm.acme, user=realm.eve).exists(), caller
+
+
+def _bob_role_changed_only_by_owner(realm, caller, response):
+    from tenants.models import Role
+
+    role = realm.acme.memberships.get(user=realm.bob).role
+    assert (role == Role.MEMBER) == (caller == "owner"), (caller, role)
+
+
+def _acme_members(realm) -> set[str]:
+    return set(realm.acme.memberships.values_list("user__username", flat=True))
+
+
+def _only_the_caller_leaves_never_the_last_owner(realm, caller, response):
+    """dave and bob leave acme; alice (acme's only owner) and charlie (globex's) stay; nobody else moves."""
     from tenants.models import Membership
 
-    assert Membership.objects.filter(tenant=realm.acme, user=realm.eve).exists() == (caller == "owner"), caller
+    left = {"member": "dave", "viewer": "bob"}.get(caller)
+    assert _acme_members(realm) == {"alice", "bob", "dave"} - {left}, caller
+    assert Membership.objects.filter(tenant=realm.globex, user=realm.charlie).exists(), caller
+
+
+def _invitation_revoked_only_by_owner(realm, caller, response):
+    realm.acme_invitation.refresh_from_db()
+    assert (realm.acme_invitation.revoked_at is not None) == (caller == "owner"), caller
+
+
+def _only_the_addressee_accepts(realm, caller, response):
+    realm.acme_invitation.refresh_from_db()
+    addressee = caller == "other_user"
+    assert (realm.acme_invitation.accepted_by_id == realm.charlie.pk) == addressee, caller
+    assert _acme_members(realm) == {"alice", "bob", "dave"} | ({"charlie"} if addressee else set()), caller
+
+
+def _only_the_addressee_declines(realm, caller, response):
+    realm.acme_invitation.refresh_from_db()
+    assert (realm.acme_invitation.declined_at is not None) == (caller == "other_user"), caller
+    assert _acme_members(realm) == {"alice", "bob", "dave"}, caller
+
+
+def _only_the_addressee_sees_it(realm, caller, response):
+    """The invitee's list shows acme's invitation to charlie alone (by its accept URL)."""
+    if response.status_code == 200:
+        accept_url = reverse("tenants:accept_invitation", args=[realm.acme_invitation.pk])
+        assert (accept_url in response.content.decode()) == (caller == "other_user"), caller
+
+
+def _link_page_is_not_cached(realm, caller, response):
+    if response.status_code == 200:
+        assert response["Cache-Control"] == "no-store" and response["Referrer-Policy"] == "no-referrer"
 
 
 def _acme_keys_unchanged_unless_owner(realm, caller, response):
@@ -142,10 +200,34 @@ ACTIONS: list[Action] = [
     Action("tenants:members", "GET", lambda r: reverse("tenants:members"), _dash(200, 200, 200, 200),
            check=_no_acme_in_body),
     Action("tenants:members", "POST", lambda r: reverse("tenants:members"), _dash(REDIRECT, 403, 403, REDIRECT),
-           data=lambda r: {"username": "eve", "role": "viewer"}, check=_eve_joins_acme_only_by_owner),
+           data=lambda r: {"username": "eve", "role": "viewer"}, check=_eve_invited_to_acme_only_by_owner),
+    Action("tenants:change_role", "POST",
+           lambda r: reverse("tenants:change_role", args=[r.acme.memberships.get(user=r.bob).pk]),
+           _dash(REDIRECT, 403, 403, 404), data=lambda r: {"role": "member"}, check=_bob_role_changed_only_by_owner),
     Action("tenants:remove_member", "POST",
            lambda r: reverse("tenants:remove_member", args=[r.acme.memberships.get(user=r.bob).pk]),
            _dash(REDIRECT, 403, 403, 404), check=_bob_removed_only_by_owner),
+    # leave acts on the caller's own current tenant (globex for charlie); a last owner is refused with a message
+    Action("tenants:leave", "POST", lambda r: reverse("tenants:leave"),
+           _dash(REDIRECT, REDIRECT, REDIRECT, REDIRECT), check=_only_the_caller_leaves_never_the_last_owner),
+    Action("tenants:revoke_invitation", "POST",
+           lambda r: reverse("tenants:revoke_invitation", args=[r.acme_invitation.pk]),
+           _dash(REDIRECT, 403, 403, 404), check=_invitation_revoked_only_by_owner),
+    # as the invitee: acme's invitation is addressed to charlie (other_user), a 404 to everyone else
+    Action("tenants:invitations", "GET", lambda r: reverse("tenants:invitations"), _dash(200, 200, 200, 200),
+           check=_only_the_addressee_sees_it),
+    Action("tenants:accept_invitation", "POST",
+           lambda r: reverse("tenants:accept_invitation", args=[r.acme_invitation.pk]),
+           _dash(404, 404, 404, REDIRECT), check=_only_the_addressee_accepts),
+    Action("tenants:decline_invitation", "POST",
+           lambda r: reverse("tenants:decline_invitation", args=[r.acme_invitation.pk]),
+           _dash(404, 404, 404, REDIRECT), check=_only_the_addressee_declines),
+    Action("tenants:invitation_link", "GET",
+           lambda r: reverse("tenants:invitation_link", args=[r.acme_invitation_token]),
+           _dash(404, 404, 404, 200), check=_link_page_is_not_cached),
+    Action("tenants:invitation_link", "POST",
+           lambda r: reverse("tenants:invitation_link", args=[r.acme_invitation_token]),
+           _dash(404, 404, 404, REDIRECT), data=lambda r: {"answer": "accept"}, check=_only_the_addressee_accepts),
     # --- adapters app --------------------------------------------------------------------------
     Action("adapters:list", "GET", lambda r: reverse("adapters:list"), _dash(200, 200, 200, 200),
            check=_no_acme_in_body),
@@ -282,8 +364,10 @@ def test_matrix_row(realm, action):
 
 
 def _targets_acme_object(action: Action) -> bool:
-    """Rows that address one acme object (rather than the caller's own list pages)."""
-    return action.route in ("tenants:revoke_key", "tenants:remove_member", "adapters:detail", "adapters:upload",
+    """Rows that address one acme object (rather than the caller's own list pages). The invitee's routes
+    are not here: acme's invitation is addressed to the cross-tenant user, whose 2xx is the point."""
+    return action.route in ("tenants:revoke_key", "tenants:change_role", "tenants:remove_member",
+                            "tenants:revoke_invitation", "adapters:detail", "adapters:upload",
                             "adapters:activate", "adapters:delete", "gateway:completions",
                             "gateway:chat-completions", "gateway:model-detail")
 

@@ -21,11 +21,12 @@ pytestmark = [pytest.mark.django_db]
 
 
 
-TABLES = ["tenants.Tenant", "tenants.Membership", "tenants.ApiKey", "auth.User", "adapters.BaseModel",
-          "adapters.Adapter", "adapters.AdapterVersion", "adapters.VersionPointerChange", "gateway.AuditRecord"]
+TABLES = ["tenants.Tenant", "tenants.Membership", "tenants.Invitation", "tenants.ApiKey", "auth.User",
+          "adapters.BaseModel", "adapters.Adapter", "adapters.AdapterVersion", "adapters.VersionPointerChange",
+          "gateway.AuditRecord"]
 # Values that differ between two identical requests (random ids, secrets, clocks), not because of input.
 VOLATILE = {"key_id", "secret_hash", "last4", "request_id", "password", "total_seconds", "queue_seconds",
-            "first_token_seconds"}
+            "first_token_seconds", "token_hash"}
 
 
 def _extras(r) -> dict:
@@ -105,14 +106,37 @@ def _upload_files(folder):
     }
 
 
-def _writes(r, peft_folder):
-    """route -> (url, intended form data (callable: fresh files each time), expected status)."""
+@pytest.fixture
+def alice_invited_to_globex(realm):
+    """An open globex invitation addressed to alice (as a viewer), and its link token: the invitee's writes
+    run as alice, like every other row."""
+    from tenants.models import Role
+    from tenants.services import do_invite
+
+    return do_invite(realm.globex, "alice", Role.VIEWER, actor=realm.charlie)
+
+
+def _writes(r, peft_folder, invitation=None):
+    """route -> (url, intended form data (callable: fresh files each time), expected status[, who posts]).
+
+    Rows post as alice (owner of acme) unless they name someone else; the invitee's rows need
+    `invitation` (an open one addressed to alice, see `alice_invited_to_globex`)."""
     bob_membership = r.acme.memberships.get(user=r.bob).pk
+    invitation, token = invitation or (r.acme_invitation, r.acme_invitation_token)
     return {
         "tenants:keys": (reverse("tenants:keys"), lambda: {"name": "ci"}, 200),
         "tenants:revoke_key": (reverse("tenants:revoke_key", args=[r.acme_key.pk]), lambda: {}, 302),
         "tenants:members": (reverse("tenants:members"), lambda: {"username": "eve", "role": "viewer"}, 302),
+        "tenants:change_role": (reverse("tenants:change_role", args=[bob_membership]), lambda: {"role": "member"}, 302),
         "tenants:remove_member": (reverse("tenants:remove_member", args=[bob_membership]), lambda: {}, 302),
+        # alice is acme's last owner and may not leave: bob (a viewer) does
+        "tenants:leave": (reverse("tenants:leave"), lambda: {}, 302, r.bob),
+        "tenants:revoke_invitation": (reverse("tenants:revoke_invitation", args=[r.acme_invitation.pk]), lambda: {},
+                                      302),
+        "tenants:accept_invitation": (reverse("tenants:accept_invitation", args=[invitation.pk]), lambda: {}, 302),
+        "tenants:decline_invitation": (reverse("tenants:decline_invitation", args=[invitation.pk]), lambda: {}, 302),
+        "tenants:invitation_link": (reverse("tenants:invitation_link", args=[token]), lambda: {"answer": "accept"},
+                                    302),
         "tenants:switch": (reverse("tenants:switch"), lambda: {"tenant": "acme"}, 302),
         "tenants:logout": (reverse("tenants:logout"), lambda: {}, 302),
         "adapters:create": (reverse("adapters:create"),
@@ -124,8 +148,8 @@ def _writes(r, peft_folder):
 
 
 # Routes that only read (GET pages, API reads, login form). Every other route is a write and needs a row above.
-READ_ONLY = {"tenants:login", "tenants:home", "adapters:list", "adapters:detail", "adapters:usage",
-             "adapters:audit", "adapters:capacity", "metrics", "schema", "api-docs", "gateway:models",
+READ_ONLY = {"tenants:login", "tenants:home", "tenants:invitations", "adapters:list", "adapters:detail",
+             "adapters:usage", "adapters:audit", "adapters:capacity", "metrics", "schema", "api-docs", "gateway:models",
              "gateway:model-detail", "gateway:unknown"}  # unknown: a JSON 404 for any method
 API_WRITES = {"gateway:completions", "gateway:chat-completions"}
 
@@ -146,16 +170,19 @@ def test_every_write_endpoint_is_covered(realm, peft_folder):
     assert not unknown, f"routes neither read-only nor covered as writes: {unknown}"
 
 
-@pytest.mark.parametrize("route", ["tenants:keys", "tenants:revoke_key", "tenants:members", "tenants:remove_member",
-                                   "tenants:switch", "tenants:logout", "adapters:create", "adapters:upload",
-                                   "adapters:activate", "adapters:delete"])
-def test_extra_fields_change_nothing(realm, peft_folder, route):
-    url, intended, status = _writes(realm, peft_folder)[route]
-    plain, response = _run_rolled_back(lambda: _as(realm.alice).post(url, data=intended()))
+@pytest.mark.parametrize("route", ["tenants:keys", "tenants:revoke_key", "tenants:members", "tenants:change_role",
+                                   "tenants:remove_member", "tenants:leave", "tenants:revoke_invitation",
+                                   "tenants:accept_invitation", "tenants:decline_invitation",
+                                   "tenants:invitation_link", "tenants:switch", "tenants:logout", "adapters:create",
+                                   "adapters:upload", "adapters:activate", "adapters:delete"])
+def test_extra_fields_change_nothing(realm, peft_folder, alice_invited_to_globex, route):
+    url, intended, status, *who = _writes(realm, peft_folder, alice_invited_to_globex)[route]
+    user = who[0] if who else realm.alice
+    plain, response = _run_rolled_back(lambda: _as(user).post(url, data=intended()))
     assert response.status_code == status, response.content[:400]
     assert plain["added"] or plain["changed"] or plain["removed"] or route in ("tenants:switch", "tenants:logout"), \
         f"the intended write of {route} changed nothing: the comparison would prove nothing"
-    hostile, response = _run_rolled_back(lambda: _as(realm.alice).post(url, data={**_extras(realm), **intended()}))
+    hostile, response = _run_rolled_back(lambda: _as(user).post(url, data={**_extras(realm), **intended()}))
     assert response.status_code == status, response.content[:400]
     assert hostile == plain, f"extra fields changed what {route} wrote"
 
