@@ -113,6 +113,9 @@ WORKER_ERROR_STATUS = {
     "prompt_too_long": 400,
     "invalid_request": 400,
     "adapter_too_large": 422,
+    # the request's own logits overflowed (its adapter's weights or scale): other requests were unaffected,
+    # retrying the same adapter cannot help; the adapter is the thing to fix
+    "non_finite_logits": 422,
     "timeout": 504,
     "cancelled": 504,
     "engine_stopped": 503,
@@ -121,10 +124,12 @@ WORKER_ERROR_STATUS = {
 
 # What a client can change about a worker refusal, appended to the worker's own sentence.
 _WORKER_ERROR_HINTS = {
+    "non_finite_logits": "The adapter's weights, at its lora_alpha scale, overflow the serving dtype; upload a "
+                         "version with smaller weights or a smaller lora_alpha.",
     "adapter_too_large": "This adapter cannot be served with this request on this base's workers: lower max_tokens "
                          "or shorten the prompt, or use an adapter of lower rank or with fewer target modules.",
 }
-_WORKER_ERROR_PARAM = {"prompt_too_long": "prompt", "adapter_too_large": "model"}
+_WORKER_ERROR_PARAM = {"prompt_too_long": "prompt", "adapter_too_large": "model", "non_finite_logits": "model"}
 
 
 def from_worker(code: str | None, message: str | None) -> ApiError:

@@ -62,3 +62,21 @@ def test_the_schema_and_the_docs_page_list_it(api, client):
         assert "422" in schema["paths"][path]["post"]["responses"], path
     docs = client.get("/api/docs/").content.decode()
     assert "<tr><td>422</td><td><code>adapter_too_large</code>" in docs
+
+
+def test_non_finite_logits_is_a_422_about_the_adapter(api, post):
+    """Issue 12: an adapter whose weights overflow at its scale fails only its own request, and the caller is
+    told it is the adapter to fix (a 4xx), never a 5xx that invites a retry."""
+    from inference_worker.jobs import NON_FINITE_LOGITS
+
+    def refuse(job, meta):
+        result = GenerationResult(request_id=job.request_id, status="error", error_code=NON_FINITE_LOGITS,
+                                  error_message="the model produced non-finite logits (NaN or inf) for this request")
+        return [{"type": "final", "result": result.to_dict(), "worker_id": "w7", "attempts": 1}]
+
+    api.dispatcher.answer = refuse
+    r = post("/v1/completions", _body(), key=api.acme_secret)
+    assert r.status_code == 422
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("non_finite_logits", "model") and "lora_alpha" in error["message"]
+    assert AuditRecord.objects.get().http_status == 422
