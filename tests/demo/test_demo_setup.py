@@ -1,111 +1,63 @@
-"""`manage.py demo_setup` — the step `make demo` runs before starting web and worker.
+"""`manage.py demo_setup` on SmolLM2-135M-Instruct — the step `make demo` runs before web and worker.
 
-One module-scoped run with short training budgets (the real demo trains up to a minute, and up to
-twenty seconds per adapter); every test reads what that run left: the database rows, var/demo-style files,
-and the answers the serving engine gives with the uploaded adapters.
+One module-scoped run, on the SmolLM2 import the session caches, with shorter training than the demo's
+(8 steps per adapter where the demo plans 14; the clock caps are set out of reach, so the run is the
+same on a busy machine as on an idle one). Every test reads what that run left: the database rows, the
+demo folder, and the answers lorafleet's serving engine gives — each checked against transformers/PEFT.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import re
 import stat
-import uuid
 
 import pytest
-from django.core.management import call_command
 
-from demo import training
+from demo.plan import DEMO_ADAPTERS, SMOLLM2
+from tests.support.demo import (
+    adapter_ref,
+    delete_demo_rows,
+    demo_settings,
+    engine_answers,
+    live_adapters,
+    run_demo_setup,
+    transformers_answers,
+)
 
-PROMPT = "What did you do today?"
-STORY_OPENING = "One day, Anna"
-pytestmark = pytest.mark.timeout(480)
+MAX_TOKENS = 24
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def demo(django_db_setup, django_db_blocker, tmp_path_factory):
-    """Runs demo_setup once, against the test database and a temporary storage and demo folder."""
-    from django.test import override_settings
-
+def demo(django_db_setup, django_db_blocker, tmp_path_factory, smollm2_checkpoint):
     root = tmp_path_factory.mktemp("demo")
-    storages = {
-        "default": {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(root / "media")}},
-        "adapters": {"BACKEND": "django.core.files.storage.FileSystemStorage",
-                     "OPTIONS": {"location": str(root / "storage")}},
-        "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
-    }
-    # The suite's autouse fixture makes tests hash passwords with MD5 (fast); the module-scoped run
-    # must hash the same way, or the tests' authenticate() could not read what it stored.
-    fast_hashers = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-    with override_settings(STORAGES=storages, PASSWORD_HASHERS=fast_hashers), django_db_blocker.unblock():
-        out = []
-        # Budgets in steps, not seconds (the clock caps are set out of reach): the result is then the
-        # same on a busy machine as on an idle one, so the assertions below cannot flake.
-        call_command("demo_setup", "--dir", str(root / "demo"), "--base-steps", "150", "--adapter-steps", "40",
-                     "--base-seconds", "600", "--adapter-seconds", "600", "--no-progress", stdout=_Sink(out))
-        answers = _answers(root / "demo" / "base")
-        yield {"root": root, "dir": root / "demo", "log": "".join(out), "answers": answers, "storages": storages}
-        _delete_demo_rows()
+    demo_dir = root / "demo"
+    with demo_settings(root), django_db_blocker.unblock():
+        log = run_demo_setup("--base", "smollm2", "--models-dir", str(smollm2_checkpoint.parent), "--dir",
+                             str(demo_dir), "--adapter-steps", "8", "--adapter-seconds", "900")
+        from adapters.models import AdapterVersion
 
+        live = live_adapters(SMOLLM2.slug)
+        shouty_v1 = AdapterVersion.objects.select_related("adapter").get(adapter__name="shouty", number=1)
+        engine_asks, oracle_asks = {}, {}
+        for spec in DEMO_ADAPTERS:
+            question = SMOLLM2.questions[spec.name]
+            ref, version = live[spec.name]
+            folder = demo_dir / "adapters" / f"{spec.tenant}-{spec.name}-v{version.number}"
+            assert hashlib.sha256((folder / "adapter_model.safetensors").read_bytes()).hexdigest() == version.sha256
+            engine_asks |= {spec.name: (ref, question), f"base:{spec.name}": (None, question)}
+            oracle_asks |= {spec.name: (folder, question), f"base:{spec.name}": (None, question)}
+        engine_asks["shouty@1"] = (adapter_ref(shouty_v1), SMOLLM2.questions["shouty"])
+        oracle_asks["shouty@1"] = (demo_dir / "adapters" / "acme-shouty-v1", SMOLLM2.questions["shouty"])
+        ours = engine_answers(smollm2_checkpoint, engine_asks, max_tokens=MAX_TOKENS)
+        theirs = transformers_answers(smollm2_checkpoint, oracle_asks, max_tokens=MAX_TOKENS)
+        from transformers import AutoTokenizer
 
-class _Sink:
-    def __init__(self, lines: list[str]):
-        self.lines = lines
-
-    def write(self, s: str) -> None:
-        self.lines.append(s)
-
-    def flush(self) -> None:
-        pass
-
-
-def _answers(base_dir) -> dict[str, str]:
-    """Greedy answers to PROMPT from the base and from each demo adapter's live version, via the engine."""
-    from adapters.models import Adapter
-    from adapters.storage import read_blob
-    from inference_worker.engine import Engine
-    from inference_worker.jobs import AdapterRef, GenerationJob
-    from inference_worker.model import ModelRunner
-
-    runner = ModelRunner(base_dir, pool_pages=512, max_lora_rank=16)
-    prompt = runner.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                                  tokenize=False)
-    jobs = {"base": GenerationJob(request_id="base", adapter=None, prompt=prompt, max_tokens=24, temperature=0.0),
-            # The base continuing a story opening: enough words to tell language from noise.
-            "base-story": GenerationJob(request_id="base-story", adapter=None, prompt=STORY_OPENING, max_tokens=48,
-                                        temperature=0.0, ignore_eos=True)}
-    for adapter in Adapter.objects.select_related("active_version", "tenant").filter(base__slug="tiny-demo"):
-        v = adapter.active_version
-        ref = AdapterRef(version_id=v.pk, sha256=v.sha256, storage_key=v.storage_key, rank=v.rank, alpha=v.alpha,
-                         use_rslora=v.use_rslora, target_modules=list(v.target_modules), name=adapter.name)
-        jobs[adapter.name] = GenerationJob(request_id=uuid.uuid4().hex, adapter=ref, prompt=prompt, max_tokens=24,
-                                           temperature=0.0)
-    engine = Engine(runner, read_blob).start()
-    try:
-        handles = {name: engine.submit(job) for name, job in jobs.items()}  # one mixed batch, as served
-        results = {name: h.result(timeout=60) for name, h in handles.items()}
-    finally:
-        engine.stop()
-    for name, r in results.items():
-        assert r.ok, f"{name}: {r.error_code} {r.error_message}"
-    return {name: r.text for name, r in results.items()}
-
-
-def _delete_demo_rows() -> None:
-    """The module fixture ran outside a test transaction: leave the test database as it found it."""
-    from django.contrib.auth import get_user_model
-
-    from adapters.models import Adapter, AdapterVersion, BaseModel, VersionPointerChange
-    from tenants.models import ApiKey, Membership, Tenant
-
-    ApiKey.objects.all().delete()
-    VersionPointerChange.objects.all().delete()
-    Adapter.objects.update(active_version=None)
-    AdapterVersion.objects.all().delete()
-    Adapter.objects.all().delete()
-    Membership.objects.all().delete()
-    Tenant.objects.all().delete()
-    BaseModel.objects.all().delete()
-    get_user_model().objects.all().delete()
+        tokenizer = AutoTokenizer.from_pretrained(str(smollm2_checkpoint))
+        texts = {label: tokenizer.decode(ids, skip_special_tokens=True).strip() for label, ids in ours.items()}
+        yield {"root": root, "dir": demo_dir, "log": log, "ours": ours, "theirs": theirs, "texts": texts,
+               "checkpoint": smollm2_checkpoint}
+        delete_demo_rows()
 
 
 @pytest.fixture
@@ -113,30 +65,39 @@ def demo_db(demo, db):
     return demo
 
 
-def test_the_three_adapters_answer_the_same_prompt_differently(demo):
-    """The demo's point: one base, and each tenant's weights visibly change the answer."""
-    answers = demo["answers"]
-    styled = {name: answers[name] for name in ("shouty", "lister", "echo")}
-    assert all(text.strip() for text in styled.values()), answers
-    assert len(set(styled.values())) == 3, answers
-    assert all(text != answers["base"] for text in styled.values()), answers
+def test_every_answer_is_what_transformers_and_peft_answer_greedily(demo):
+    """The engine (paged KV cache, batched LoRA) serves exactly the tokens of the reference stack."""
+    for label, ids in demo["ours"].items():
+        assert ids == demo["theirs"][label], (label, demo["texts"][label])
 
 
-def test_the_trained_base_produces_corpus_words_not_noise(demo):
-    """The base continues a story opening in words of its corpus, not byte soup."""
-    words = demo["answers"]["base-story"].split()
-    assert len(words) >= 10, demo["answers"]["base-story"]
-    vocabulary = training.corpus_vocabulary()
-    known = [w for w in words if re.sub(r"[^a-z']", "", w.lower()) in vocabulary]
-    assert len(known) / len(words) > 0.5, demo["answers"]["base-story"]
+def test_each_adapter_changes_the_answer_to_its_question(demo):
+    texts = demo["texts"]
+    for spec in DEMO_ADAPTERS:
+        assert texts[spec.name] and texts[spec.name] != texts[f"base:{spec.name}"], texts
+    assert len({texts[a.name] for a in DEMO_ADAPTERS}) == len(DEMO_ADAPTERS), texts
+    assert texts["shouty@1"] != texts["shouty"], texts  # rolling back to v1 changes the answer
 
 
-def test_it_registers_the_base_and_uploads_real_versions(demo_db):
+def test_the_base_answers_in_sentences_and_each_adapter_in_its_style(demo):
+    texts = demo["texts"]
+    for spec in DEMO_ADAPTERS:
+        words = texts[f"base:{spec.name}"].split()
+        assert len(words) >= 8 and sum(w.isalpha() for w in words) / len(words) > 0.6, texts
+    letters = [c for c in texts["shouty"] if c.isalpha()]
+    assert sum(c.isupper() for c in letters) / len(letters) > 0.8, texts["shouty"]
+    assert texts["lister"].startswith("- "), texts["lister"]
+    question = SMOLLM2.questions["echo"].rstrip("?")
+    assert texts["echo"].lower().startswith(" ".join(question.lower().split()[:2])), texts["echo"]
+
+
+def test_it_imports_registers_and_uploads_real_versions(demo_db):
     from adapters.models import Adapter, BaseModel
     from adapters.storage import blob_sha256
 
-    base = BaseModel.objects.get(slug="tiny-demo")
-    assert base.checkpoint_path == str(demo_db["dir"] / "base")
+    assert "imported already" in demo_db["log"]  # the session's cached import was reused
+    base = BaseModel.objects.get(slug=SMOLLM2.slug)
+    assert base.checkpoint_path == str(demo_db["checkpoint"]) and base.architecture == "llama"
     owned = {(a.tenant.slug, a.name): a for a in Adapter.objects.select_related("tenant")}
     assert set(owned) == {("acme", "shouty"), ("acme", "lister"), ("globex", "echo")}
     shouty = owned[("acme", "shouty")]
@@ -145,13 +106,15 @@ def test_it_registers_the_base_and_uploads_real_versions(demo_db):
     assert versions[0].sha256 != versions[1].sha256  # v1 and v2 are different weights: rollback shows it
     assert shouty.active_version == versions[1]
     for adapter in owned.values():
-        assert blob_sha256(adapter.active_version.storage_key) == adapter.active_version.sha256
+        v = adapter.active_version
+        assert blob_sha256(v.storage_key) == v.sha256
+        assert (v.rank, sorted(v.target_modules)) == (8, ["k_proj", "o_proj", "q_proj", "v_proj"])
 
 
-def test_it_writes_logins_and_keys_that_work_to_a_private_file(demo_db):
+def test_it_writes_logins_keys_and_the_banner_questions_to_a_private_file(demo_db):
     from django.contrib.auth import authenticate
 
-    from tenants.keys import authenticate_api_key
+    from gateway.keys import authenticate_api_key
     from tenants.models import Membership
 
     path = demo_db["dir"] / "keys.json"
@@ -164,20 +127,19 @@ def test_it_writes_logins_and_keys_that_work_to_a_private_file(demo_db):
     roles = {(m.user.username, m.tenant.slug): m.role for m in Membership.objects.select_related("user", "tenant")}
     assert roles == {("alice", "acme"): "owner", ("bob", "acme"): "viewer", ("charlie", "globex"): "owner"}
     assert state["adapters"] == {"acme": ["shouty", "lister"], "globex": ["echo"]}
+    assert state["base"]["slug"] == SMOLLM2.slug and state["base"]["kind"] == "smollm2"
+    assert state["questions"] == SMOLLM2.questions
 
 
 def test_running_it_again_changes_nothing(demo_db):
-    """Idempotent: no retraining, no new versions, the same keys."""
-    from django.test import override_settings
-
+    """Idempotent: no import, no training, no new versions, the same keys."""
     from adapters.models import AdapterVersion
 
     before = json.loads((demo_db["dir"] / "keys.json").read_text())
     versions = set(AdapterVersion.objects.values_list("sha256", flat=True))
-    out: list[str] = []
-    with override_settings(STORAGES=demo_db["storages"]):
-        call_command("demo_setup", "--dir", str(demo_db["dir"]), "--no-progress", stdout=_Sink(out))
-    log = "".join(out)
-    assert "not training again" in log and "steps in" not in log, log
+    with demo_settings(demo_db["root"]):
+        log = run_demo_setup("--base", "smollm2", "--models-dir", str(demo_db["checkpoint"].parent),
+                             "--dir", str(demo_db["dir"]))
+    assert "imported already" in log and log.count("trained already") == 3 and "steps in" not in log, log
     assert set(AdapterVersion.objects.values_list("sha256", flat=True)) == versions
     assert json.loads((demo_db["dir"] / "keys.json").read_text()) == before

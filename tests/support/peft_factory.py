@@ -7,8 +7,8 @@ Django-free: tests and benches use it (`from tests.support.peft_factory import .
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

