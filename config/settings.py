@@ -37,7 +37,7 @@ DJANGO_APPS = [
     "django.contrib.staticfiles",
 ]
 THIRD_PARTY_APPS = ["rest_framework", "drf_spectacular"]
-LOCAL_APPS = ["tenants", "adapters", "gateway", "inference_worker", "demo"]
+LOCAL_APPS = ["tenants", "adapters", "gateway", "dashboard", "inference_worker", "demo"]
 INSTALLED_APPS = DJANGO_APPS + THIRD_PARTY_APPS + LOCAL_APPS
 
 MIDDLEWARE = [

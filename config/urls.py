@@ -11,6 +11,5 @@ urlpatterns = [
     path("metrics", metrics_view, name="metrics"),  # Prometheus
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", api_docs, name="api-docs"),  # rendered on the server: works offline
-    path("", include("tenants.urls")),  # dashboard: login, tenant switcher, keys, members
-    path("", include("adapters.urls")),  # dashboard: adapters, versions, usage, audit, capacity
+    path("", include("dashboard.urls")),  # every page: login, tenants, keys, members, adapters, usage, audit, capacity
 ]

@@ -6,8 +6,9 @@ from django.urls import path
 
 from adapters.admin import ReadOnlyAdmin
 
-from .models import AuditRecord
+from .models import ApiKey, AuditRecord
 from .responses import public_worker_id
+from .services import revoke_api_key
 
 CSV_FIELDS = [
     "request_id", "created_at", "finished_at", "route", "tenant_id", "key_prefix", "adapter_name", "version_number",
@@ -82,3 +83,27 @@ class AuditRecordAdmin(ReadOnlyAdmin):
         response = StreamingHttpResponse(stream(), content_type="text/csv")
         response["Content-Disposition"] = 'attachment; filename="audit.csv"'
         return response
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    """Keys are issued through the dashboard or `create_api_key`; here they can be inspected and revoked.
+
+    The secret is never stored, so it cannot be shown; the hash is not shown either.
+    """
+
+    list_display = ["__str__", "name", "tenant", "bound_adapter", "created_at", "expires_at", "revoked_at", "last_used_at"]
+    list_filter = ["tenant", ("revoked_at", admin.EmptyFieldListFilter)]
+    search_fields = ["key_id", "name", "tenant__slug"]
+    exclude = ["secret_hash"]
+    readonly_fields = ["tenant", "key_id", "last4", "created_by", "created_at", "last_used_at", "bound_adapter"]
+    actions = ["revoke"]
+
+    def has_add_permission(self, request):
+        return False
+
+    @admin.action(description="Revoke selected keys")
+    def revoke(self, request, queryset):
+        for key in queryset:
+            revoke_api_key(key, actor=request.user)
+        self.message_user(request, f"Revoked {queryset.count()} key(s).")

@@ -1,9 +1,8 @@
-"""Who is calling: the API key in `Authorization: Bearer <key>`, checked by tenants.keys."""
+"""Who is calling: the API key in `Authorization: Bearer <key>`, checked by gateway.keys."""
 from __future__ import annotations
 
-from tenants.keys import KeyRejected, authenticate_api_key
-
 from .errors import ApiError, unauthorized
+from .keys import KeyRejected, authenticate_api_key
 
 
 class KeyRefused(ApiError):

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 
+from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from tenants.scoping import TenantScopedQuerySet
+from tenants.scoping import TenantScopedQuerySet, scoped_queryset
 
 
 class AuditStatus(models.TextChoices):
@@ -119,3 +121,44 @@ class AuditRecord(models.Model):
 
     def delete(self, *args, **kwargs):
         raise AppendOnlyError("Audit records are append-only; they cannot be deleted.")
+
+
+class ApiKey(models.Model):
+    """An API key of a tenant, optionally bound to one of its adapters (gateway/keys.py: format and checks).
+
+    Only the lookup id, a SHA-256 of the secret and its last four characters are stored. Issued and
+    revoked through gateway/services.py, which holds the rules (who may, which adapter).
+    """
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    # The public part of the key, `lf_live_<key_id>_...`; unique, used to find the row.
+    key_id = models.CharField(max_length=16, unique=True)
+    secret_hash = models.CharField(max_length=64)
+    last4 = models.CharField(max_length=4)
+    bound_adapter = models.ForeignKey(
+        "adapters.Adapter", null=True, blank=True, on_delete=models.PROTECT, related_name="bound_keys"
+    )
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    objects = scoped_queryset("tenant").as_manager()
+
+    class Meta:
+        # The table keeps the name it had when the model lived in tenants (gateway/migrations/0005).
+        db_table = "tenants_apikey"
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}…{self.last4}"
+
+    @property
+    def prefix(self) -> str:
+        return f"lf_live_{self.key_id}"
+
+    def is_usable(self, now: dt.datetime | None = None) -> bool:
+        now = now or timezone.now()
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)

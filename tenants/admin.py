@@ -1,7 +1,7 @@
 from django.contrib import admin
 from django.utils import timezone
 
-from .models import ApiKey, Invitation, Membership, Tenant
+from .models import Invitation, Membership, Tenant
 
 
 class MembershipInline(admin.TabularInline):
@@ -22,32 +22,6 @@ class MembershipAdmin(admin.ModelAdmin):
     list_display = ["user", "tenant", "role", "created_at", "last_used_at"]
     list_filter = ["role", "tenant"]
     search_fields = ["user__username", "tenant__slug"]
-
-
-@admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
-    """Keys are issued through the dashboard or `create_api_key`; here they can be inspected and revoked.
-
-    The secret is never stored, so it cannot be shown; the hash is not shown either.
-    """
-
-    list_display = ["__str__", "name", "tenant", "bound_adapter", "created_at", "expires_at", "revoked_at", "last_used_at"]
-    list_filter = ["tenant", ("revoked_at", admin.EmptyFieldListFilter)]
-    search_fields = ["key_id", "name", "tenant__slug"]
-    exclude = ["secret_hash"]
-    readonly_fields = ["tenant", "key_id", "last4", "created_by", "created_at", "last_used_at", "bound_adapter"]
-    actions = ["revoke"]
-
-    def has_add_permission(self, request):
-        return False
-
-    @admin.action(description="Revoke selected keys")
-    def revoke(self, request, queryset):
-        from .services import revoke_api_key
-
-        for key in queryset:
-            revoke_api_key(key, actor=request.user)
-        self.message_user(request, f"Revoked {queryset.count()} key(s).")
 
 
 @admin.register(Invitation)

@@ -148,38 +148,3 @@ class Invitation(models.Model):
 
     def is_expired(self, now: dt.datetime | None = None) -> bool:
         return self.expires_at <= (now or timezone.now())
-
-
-class ApiKey(models.Model):
-    """An API key. Only the lookup id, a SHA-256 of the secret and its last four characters are stored."""
-
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
-    name = models.CharField(max_length=100)
-    # The public part of the key, `lf_live_<key_id>_...`; unique, used to find the row.
-    key_id = models.CharField(max_length=16, unique=True)
-    secret_hash = models.CharField(max_length=64)
-    last4 = models.CharField(max_length=4)
-    bound_adapter = models.ForeignKey(
-        "adapters.Adapter", null=True, blank=True, on_delete=models.PROTECT, related_name="bound_keys"
-    )
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
-    created_at = models.DateTimeField(default=timezone.now)
-    expires_at = models.DateTimeField(null=True, blank=True)
-    revoked_at = models.DateTimeField(null=True, blank=True)
-    last_used_at = models.DateTimeField(null=True, blank=True)
-
-    objects = scoped_queryset("tenant").as_manager()
-
-    class Meta:
-        ordering = ["-created_at"]
-
-    def __str__(self) -> str:
-        return f"{self.prefix}…{self.last4}"
-
-    @property
-    def prefix(self) -> str:
-        return f"lf_live_{self.key_id}"
-
-    def is_usable(self, now=None) -> bool:
-        now = now or timezone.now()
-        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)

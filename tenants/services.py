@@ -1,4 +1,4 @@
-"""Verbs that change tenants, members, invitations and API keys.
+"""Verbs that change tenants, members and invitations (API keys: gateway/services.py).
 
 The membership rules live here and nowhere else (views only parse and answer):
 
@@ -25,8 +25,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from .invitations import hash_token, new_token
-from .keys import generate_key, hash_secret
-from .models import INVITATION_LIFETIME, ApiKey, Invitation, Membership, Role, Tenant
+from .models import INVITATION_LIFETIME, Invitation, Membership, Role, Tenant
 
 
 class NotAllowed(PermissionDenied):
@@ -71,15 +70,24 @@ def _lock_tenant(tenant: Tenant) -> Tenant:
     return Tenant.objects.select_for_update().get(pk=tenant.pk)
 
 
-def _manager(tenant: Tenant, actor) -> Membership:
-    """The actor's membership, read inside the tenant lock; NotAllowed unless owner or admin."""
+def require_manager(tenant: Tenant, actor, *, what: str = "members") -> Membership:
+    """The actor's membership of `tenant`; NotAllowed unless they are an owner or admin of it.
+
+    The one rule for "who manages a tenant" (its members, invitations and API keys); `what` names the
+    thing in the refusal's sentence.
+    """
     membership = Membership.objects.for_tenant(tenant).filter(user=actor).first()
     if membership is None:
-        raise NotAllowed("Only owners and admins of a tenant can manage its members.")
+        raise NotAllowed(f"Only owners and admins of a tenant can manage its {what}.")
     if not membership.can_manage:
         raise NotAllowed(f"Your role in {tenant.name} is {membership.get_role_display().lower()}; "
-                         "only owners and admins can manage members.")
+                         f"only owners and admins can manage {what}.")
     return membership
+
+
+def _manager(tenant: Tenant, actor) -> Membership:
+    """The actor's membership, read inside the tenant lock; NotAllowed unless owner or admin."""
+    return require_manager(tenant, actor)
 
 
 def _owner_count(tenant: Tenant) -> int:
@@ -235,35 +243,3 @@ def note_tenant_used(membership: Membership) -> None:
     """Remember that the user chose this tenant; their next login lands in it."""
     membership.last_used_at = timezone.now()
     Membership.objects.filter(pk=membership.pk).update(last_used_at=membership.last_used_at)
-
-
-@transaction.atomic
-def issue_api_key(tenant: Tenant, name: str, *, bound_adapter=None, expires_at=None, created_by=None) -> tuple[ApiKey, str]:
-    """Create a key and return it with its full secret — the only time the secret exists in clear."""
-    if bound_adapter is not None and bound_adapter.tenant_id != tenant.pk:
-        # Same answer as a missing adapter: another tenant's objects do not exist for this one.
-        from adapters.models import Adapter
-
-        raise Adapter.DoesNotExist("No such adapter.")
-    if expires_at is not None and expires_at <= timezone.now():
-        raise ValueError("The expiry must be in the future.")
-    full, key_id, secret = generate_key()
-    key = ApiKey.objects.create(
-        tenant=tenant,
-        name=name or "key",
-        key_id=key_id,
-        secret_hash=hash_secret(secret),
-        last4=full[-4:],
-        bound_adapter=bound_adapter,
-        expires_at=expires_at,
-        created_by=created_by,
-    )
-    return key, full
-
-
-@transaction.atomic
-def revoke_api_key(key: ApiKey, *, actor=None) -> ApiKey:
-    if key.revoked_at is None:
-        key.revoked_at = timezone.now()
-        key.save(update_fields=["revoked_at"])
-    return key

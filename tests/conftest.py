@@ -86,8 +86,9 @@ def world(db):
 
     from adapters.models import AdapterVersion, BaseModel
     from adapters.services import activate_version, create_adapter
+    from gateway.services import issue_api_key
     from tenants.models import Role
-    from tenants.services import add_member, create_tenant, issue_api_key
+    from tenants.services import add_member, create_tenant
 
     User = get_user_model()
     alice = User.objects.create_user("alice", password="alice-password-1")

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from adapters.services import create_adapter, soft_delete_adapter
 from gateway.models import AuditRecord
-from tenants.services import issue_api_key, revoke_api_key
+from gateway.services import issue_api_key, revoke_api_key
 
 pytestmark = pytest.mark.django_db
 

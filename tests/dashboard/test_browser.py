@@ -160,7 +160,7 @@ def test_make_an_older_version_live_and_see_the_badge_move(transactional_db, pag
 
 
 def test_create_a_key_see_the_secret_once_and_revoke_it(transactional_db, page, world):
-    from tenants.keys import KeyRejected, authenticate_api_key
+    from gateway.keys import KeyRejected, authenticate_api_key
 
     log_in(page, "alice", "alice-password-1")
     page.goto("/keys/")

@@ -8,7 +8,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from adapters import usage
+from dashboard import usage
 from gateway.models import AuditRecord
 
 

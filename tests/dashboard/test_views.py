@@ -9,8 +9,9 @@ import pytest
 from django.urls import reverse
 
 from adapters.models import Adapter, AdapterVersion, VersionPointerChange
-from tenants.keys import authenticate_api_key
-from tenants.models import ApiKey, Membership, Role
+from gateway.keys import authenticate_api_key
+from gateway.models import ApiKey
+from tenants.models import Membership, Role
 
 
 def login(client, user):

@@ -2,8 +2,8 @@
 import pytest
 
 from adapters.models import Adapter, AdapterVersion, VersionPointerChange
-from gateway.models import AuditRecord
-from tenants.models import ApiKey, Membership
+from gateway.models import ApiKey, AuditRecord
+from tenants.models import Membership
 from tenants.scoping import TenantScopeError
 
 

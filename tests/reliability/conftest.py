@@ -91,8 +91,10 @@ def realm(world, tiny_checkpoint, dispatcher, adapter_storage_dir):
     from adapters.models import BaseModel
     from adapters.services import activate_version, create_adapter
     from gateway.models import AuditRecord
-    from tenants.models import ApiKey, Role
-    from tenants.services import add_member, do_invite, issue_api_key, revoke_api_key
+    from gateway.models import ApiKey
+    from gateway.services import issue_api_key, revoke_api_key
+    from tenants.models import Role
+    from tenants.services import add_member, do_invite
 
     w = world
     BaseModel.objects.filter(pk=w.base.pk).update(

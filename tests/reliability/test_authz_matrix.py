@@ -157,7 +157,7 @@ def _link_page_is_not_cached(realm, caller, response):
 
 
 def _acme_keys_unchanged_unless_owner(realm, caller, response):
-    from tenants.models import ApiKey
+    from gateway.models import ApiKey
 
     created = ApiKey.objects.for_tenant(realm.acme).filter(name="matrix").exists()
     assert created == (caller == "owner"), caller

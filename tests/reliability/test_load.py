@@ -39,7 +39,8 @@ from pathlib import Path
 from adapters.models import BaseModel
 from adapters.services import create_adapter
 from adapters.uploads import create_adapter_version
-from tenants.services import create_tenant, issue_api_key
+from gateway.services import issue_api_key
+from tenants.services import create_tenant
 base = BaseModel.objects.get(slug=BASE)
 result = {}
 for name in ("p1", "p2", "p3", "flood"):

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.django_db]
 
 
 
-TABLES = ["tenants.Tenant", "tenants.Membership", "tenants.Invitation", "tenants.ApiKey", "auth.User",
+TABLES = ["tenants.Tenant", "tenants.Membership", "tenants.Invitation", "gateway.ApiKey", "auth.User",
           "adapters.BaseModel", "adapters.Adapter", "adapters.AdapterVersion", "adapters.VersionPointerChange",
           "gateway.AuditRecord"]
 # Values that differ between two identical requests (random ids, secrets, clocks), not because of input.
@@ -188,7 +188,7 @@ def test_extra_fields_change_nothing(realm, peft_folder, alice_invited_to_globex
 
 
 def test_a_key_cannot_be_bound_to_another_tenants_adapter(realm):
-    from tenants.models import ApiKey
+    from gateway.models import ApiKey
 
     before = ApiKey.objects.count()
     response = _as(realm.alice).post(reverse("tenants:keys"), data={"name": "x", "bound_adapter": realm.globex_adapter.pk})
@@ -213,7 +213,7 @@ def test_api_refuses_extra_fields_and_enqueues_nothing(realm, path, base):
         assert response.status_code == 400, (name, response.status_code)
         assert response.json()["error"]["param"] == name
         d = diff(before, snapshot())
-        assert d["removed"] == [] and [c for c in d["changed"] if c[0][0] != "tenants.ApiKey"] == []
+        assert d["removed"] == [] and [c for c in d["changed"] if c[0][0] != "gateway.ApiKey"] == []
         assert [a[0] for a in d["added"]] == ["gateway.AuditRecord"], d
         record = AuditRecord.objects.order_by("-id").first()
         assert record.tenant_id == realm.acme.pk and record.http_status == 400

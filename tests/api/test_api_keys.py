@@ -5,9 +5,9 @@ import math
 import pytest
 from django.utils import timezone
 
-from tenants.keys import ALPHABET, ID_LEN, PREFIX, SECRET_LEN, KeyRejected, authenticate_api_key, parse_key
-from tenants.models import ApiKey
-from tenants.services import issue_api_key, revoke_api_key
+from gateway.keys import ALPHABET, ID_LEN, PREFIX, SECRET_LEN, KeyRejected, authenticate_api_key, parse_key
+from gateway.models import ApiKey
+from gateway.services import issue_api_key, revoke_api_key
 
 
 def test_key_has_prefix_entropy_and_checksum(world):
@@ -50,7 +50,7 @@ def test_malformed_keys_are_refused(db, raw):
 
 
 def test_unknown_key_with_valid_checksum_is_refused(world):
-    from tenants.keys import generate_key
+    from gateway.keys import generate_key
 
     forged, _, _ = generate_key()
     with pytest.raises(KeyRejected) as exc:

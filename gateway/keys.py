@@ -17,6 +17,8 @@ import zlib
 
 from django.utils import timezone
 
+from .models import ApiKey
+
 PREFIX = "lf_live_"
 ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 ID_LEN = 12
@@ -28,7 +30,7 @@ _KEY_RE = re.compile(rf"^{PREFIX}([0-9A-Za-z]{{{ID_LEN}}})_([0-9A-Za-z]{{{SECRET
 class KeyRejected(Exception):
     """The key cannot be used. ``reason`` is one of: malformed, bad_checksum, unknown, revoked, expired."""
 
-    def __init__(self, reason: str, key=None):
+    def __init__(self, reason: str, key: ApiKey | None = None):
         super().__init__(reason)
         self.reason = reason
         self.key = key  # the ApiKey row when it was found (revoked/expired), for the audit log
@@ -72,10 +74,8 @@ def parse_key(raw: str) -> tuple[str, str]:
     return key_id, secret
 
 
-def authenticate_api_key(raw: str, *, touch: bool = True):
+def authenticate_api_key(raw: str, *, touch: bool = True) -> ApiKey:
     """Return the usable ApiKey for a presented key, or raise KeyRejected."""
-    from .models import ApiKey
-
     key_id, secret = parse_key(raw)
     key = ApiKey.objects.select_related("tenant", "bound_adapter").filter(key_id=key_id).first()
     if key is None or not hmac.compare_digest(key.secret_hash, hash_secret(secret)):

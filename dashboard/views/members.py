@@ -1,7 +1,7 @@
-"""Dashboard pages of the tenants app: tenant switcher, API keys, members, invitations.
+"""Tenant pages: home, tenant switcher, members, invitations (as the inviter and as the invitee).
 
 Thin on purpose: parse, call a verb in tenants/services.py (where the membership rules live), answer.
-Every lookup of a tenant's object goes through ``for_tenant(request.tenant)``, so another tenant's key,
+Every lookup of a tenant's object goes through ``for_tenant(request.tenant)``, so another tenant's
 membership or invitation is a 404. An invitee reaches an invitation only through
 ``invitations.invitation_for_invitee`` (their own, by id or link token): anyone else's is a 404 too.
 """
@@ -16,11 +16,12 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
-from . import services
-from .context import SESSION_KEY, switch_tenant, tenant_view
-from .forms import ApiKeyCreateForm, InviteForm, RoleForm
-from .invitations import invitation_for_invitee, send_invitation_email
-from .models import ApiKey, Invitation, Membership, Role
+from tenants import services
+from tenants.context import SESSION_KEY, switch_tenant, tenant_view
+from tenants.invitations import invitation_for_invitee, send_invitation_email
+from tenants.models import Invitation, Membership, Role
+
+from ..forms import InviteForm, RoleForm
 
 
 @tenant_view
@@ -41,45 +42,6 @@ def switch(request: HttpRequest) -> HttpResponse:
         target = "/"
     # Object pages of the previous tenant would 404 in the new one; land on its list instead.
     return redirect("adapters:list" if target.startswith("/adapters/") else target)
-
-
-# --- API keys --------------------------------------------------------------------------------
-
-
-@tenant_view(manage=True)
-def keys(request: HttpRequest) -> HttpResponse:
-    """List keys and create one. A new key's secret is rendered in this response only, never stored."""
-    form = ApiKeyCreateForm(request.POST or None, tenant=request.tenant)
-    created = secret = None
-    if request.method == "POST" and form.is_valid():
-        created, secret = services.issue_api_key(
-            request.tenant,
-            form.cleaned_data["name"],
-            bound_adapter=form.cleaned_data["bound_adapter"],
-            expires_at=form.cleaned_data["expires_at"],
-            created_by=request.user,
-        )
-        form = ApiKeyCreateForm(tenant=request.tenant)
-    key_list = ApiKey.objects.for_tenant(request.tenant).select_related("bound_adapter", "created_by")
-    response = render(
-        request,
-        "tenants/keys.html",
-        {"form": form, "keys": key_list, "created": created, "secret": secret},
-        status=400 if request.method == "POST" and created is None else 200,
-    )
-    if secret:
-        response["Cache-Control"] = "no-store"  # the secret must not linger in a cache or the back button
-    return response
-
-
-@tenant_view(manage=True)
-def revoke_key(request: HttpRequest, pk: int) -> HttpResponse:
-    key = get_object_or_404(ApiKey.objects.for_tenant(request.tenant), pk=pk)
-    if request.method == "POST":
-        services.revoke_api_key(key, actor=request.user)
-        messages.success(request, f"Key {key.prefix}…{key.last4} is revoked; requests using it are refused from now on.")
-        return redirect("tenants:keys")
-    return render(request, "tenants/key_revoke.html", {"key": key})
 
 
 # --- members ---------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from adapters.models import Adapter
+from gateway.services import issue_api_key
 from tenants.models import Tenant
-from tenants.services import issue_api_key
 
 
 class Command(BaseCommand):

@@ -1,13 +1,21 @@
-"""Dashboard forms of the adapters app. Choice querysets are narrowed to the current tenant."""
+"""Dashboard forms. Choice querysets are always narrowed to the current tenant.
+
+The invitation form looks nothing up: whether an account has the typed name is not the inviter's
+business (tenants.services.do_invite).
+"""
 from __future__ import annotations
 
 from datetime import date, timedelta
 
 from django import forms
-from django.apps import apps
+from django.utils import timezone
 
-from . import capacity
-from .models import Adapter, BaseModel, adapter_name_validator
+from adapters import capacity
+from adapters.models import Adapter, BaseModel, adapter_name_validator
+from gateway.models import AuditStatus
+from tenants.models import Role
+
+# --- adapters ---------------------------------------------------------------------------------
 
 
 class AdapterCreateForm(forms.Form):
@@ -54,8 +62,7 @@ class AuditFilterForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.fields["adapter"].queryset = Adapter.objects.for_tenant(tenant)
         self.fields["adapter"].label_from_instance = lambda adapter: adapter.name
-        status_choices = apps.get_model("gateway", "AuditRecord")._meta.get_field("status").choices
-        self.fields["status"].choices = [("", "Any status"), *status_choices]
+        self.fields["status"].choices = [("", "Any status"), *AuditStatus.choices]
 
     # The view turns dates into datetimes a day apart (date_to is inclusive): the first and last days a
     # calendar can name (0001-01-01, 9999-12-31) would overflow `datetime`, so they are a form error.
@@ -107,3 +114,64 @@ class CapacityForm(forms.Form):
             base = BaseModel.objects.get(slug=name)
             return base.display_name, base.shape_manifest
         return name, capacity.preset_manifest(name)
+
+
+# --- API keys ---------------------------------------------------------------------------------
+
+
+class ApiKeyCreateForm(forms.Form):
+    name = forms.CharField(max_length=100, help_text="What uses this key, e.g. “billing-service prod”.")
+    bound_adapter = forms.ModelChoiceField(
+        queryset=None,
+        required=False,
+        empty_label="Any adapter of this tenant",
+        help_text="A bound key can only call this adapter; requests naming another are refused.",
+    )
+    expires_at = forms.DateTimeField(
+        required=False,
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}),
+        help_text="Optional. Leave empty for a key that never expires (you can revoke it any time).",
+    )
+
+    def __init__(self, *args, tenant, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["bound_adapter"].queryset = Adapter.objects.for_tenant(tenant).live()
+        self.fields["bound_adapter"].label_from_instance = lambda adapter: adapter.name
+
+    def clean_expires_at(self):
+        expires_at = self.cleaned_data.get("expires_at")
+        if expires_at is not None and expires_at <= timezone.now():
+            raise forms.ValidationError("The expiry must be in the future.")
+        return expires_at
+
+
+def _grantable_roles(granter_role: str) -> list[tuple[str, str]]:
+    # Only an owner can make another owner; an admin cannot promote past itself.
+    return [c for c in Role.choices if granter_role == Role.OWNER or c[0] != Role.OWNER]
+
+
+# --- members ----------------------------------------------------------------------------------
+
+
+class InviteForm(forms.Form):
+    """Invite someone by username or e-mail to join the tenant with a role; they accept or decline."""
+
+    username = forms.CharField(max_length=254, label="Username or e-mail")
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
+
+    def __init__(self, *args, granter_role: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["role"].choices = _grantable_roles(granter_role)
+
+    def clean_username(self):
+        return self.cleaned_data["username"].strip()
+
+
+class RoleForm(forms.Form):
+    """Change the role of someone already in the tenant."""
+
+    role = forms.ChoiceField(choices=Role.choices)
+
+    def __init__(self, *args, granter_role: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["role"].choices = _grantable_roles(granter_role)
