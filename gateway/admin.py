@@ -92,11 +92,14 @@ class ApiKeyAdmin(admin.ModelAdmin):
     The secret is never stored, so it cannot be shown; the hash is not shown either.
     """
 
-    list_display = ["__str__", "name", "tenant", "bound_adapter", "created_at", "expires_at", "revoked_at", "last_used_at"]
+    list_display = ["__str__", "name", "tenant", "bound_adapter", "created_at", "expires_at", "revoked_at", "revoked_by",
+                    "last_used_at"]
     list_filter = ["tenant", ("revoked_at", admin.EmptyFieldListFilter)]
     search_fields = ["key_id", "name", "tenant__slug"]
     exclude = ["secret_hash"]
-    readonly_fields = ["tenant", "key_id", "last4", "created_by", "created_at", "last_used_at", "bound_adapter"]
+    # Revocation goes through the action below (gateway.services.revoke_api_key records who), never the form.
+    readonly_fields = ["tenant", "key_id", "last4", "created_by", "created_at", "last_used_at", "bound_adapter",
+                       "revoked_at", "revoked_by"]
     actions = ["revoke"]
 
     def has_add_permission(self, request):

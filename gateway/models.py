@@ -143,6 +143,11 @@ class ApiKey(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # Who revoked it (gateway.services.revoke_api_key); empty for keys revoked by a trusted caller, or
+    # before this was recorded.
+    revoked_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     last_used_at = models.DateTimeField(null=True, blank=True)
 
     objects = scoped_queryset("tenant").as_manager()

@@ -38,7 +38,7 @@ def _require_key_manager(tenant: Tenant, actor) -> None:
 def api_keys_for(tenant: Tenant, *, actor) -> QuerySet[ApiKey]:
     """The tenant's keys, for someone allowed to manage them (NotAllowed otherwise)."""
     _require_key_manager(tenant, actor)
-    return ApiKey.objects.for_tenant(tenant).select_related("bound_adapter", "created_by")
+    return ApiKey.objects.for_tenant(tenant).select_related("bound_adapter", "created_by", "revoked_by")
 
 
 def api_key_for(tenant: Tenant, pk: int, *, actor) -> ApiKey:
@@ -79,7 +79,7 @@ def revoke_api_key(key: ApiKey, *, actor=None) -> ApiKey:
     _require_key_manager(key.tenant, actor)
     stored = ApiKey.objects.select_for_update().get(pk=key.pk)
     if stored.revoked_at is None:
-        stored.revoked_at = timezone.now()
-        stored.save(update_fields=["revoked_at"])
-    key.revoked_at = stored.revoked_at
+        stored.revoked_at, stored.revoked_by = timezone.now(), actor
+        stored.save(update_fields=["revoked_at", "revoked_by"])
+    key.revoked_at, key.revoked_by_id = stored.revoked_at, stored.revoked_by_id
     return key

@@ -7,7 +7,7 @@ from django.utils import timezone
 
 from gateway.keys import ALPHABET, ID_LEN, PREFIX, SECRET_LEN, KeyRejected, authenticate_api_key, parse_key
 from gateway.models import ApiKey
-from gateway.services import issue_api_key, revoke_api_key
+from gateway.services import api_keys_for, issue_api_key, revoke_api_key
 
 
 def test_key_has_prefix_entropy_and_checksum(world):
@@ -79,3 +79,37 @@ def test_key_cannot_be_bound_to_another_tenants_adapter(world):
     with pytest.raises(Adapter.DoesNotExist):
         issue_api_key(world.acme, "sneaky", bound_adapter=world.globex_adapter)
     assert not ApiKey.objects.filter(name="sneaky").exists()
+
+
+def test_key_cannot_be_bound_to_a_deleted_adapter(world):
+    from adapters.models import Adapter
+    from adapters.services import soft_delete_adapter
+
+    soft_delete_adapter(world.acme_adapter, actor=world.alice)
+    with pytest.raises(Adapter.DoesNotExist):
+        issue_api_key(world.acme, "late", bound_adapter=world.acme_adapter, created_by=world.alice)
+
+
+def test_revoking_records_who_and_when_once(world):
+    """The first revocation's time and actor stay; revoking again changes nothing."""
+    revoke_api_key(world.acme_key, actor=world.alice)
+    first = ApiKey.objects.get(pk=world.acme_key.pk)
+    assert first.revoked_by == world.alice and first.revoked_at is not None
+    revoke_api_key(world.acme_key, actor=world.alice)
+    again = ApiKey.objects.get(pk=world.acme_key.pk)
+    assert (again.revoked_at, again.revoked_by_id) == (first.revoked_at, world.alice.pk)
+
+
+def test_only_owners_and_admins_issue_list_and_revoke_keys(world):
+    """The rule lives in the service: a viewer (bob) and another tenant's owner (charlie) are refused."""
+    from tenants.services import NotAllowed
+
+    for user in (world.bob, world.charlie):
+        with pytest.raises(NotAllowed):
+            issue_api_key(world.acme, "nope", created_by=user)
+        with pytest.raises(NotAllowed):
+            revoke_api_key(world.acme_key, actor=user)
+        with pytest.raises(NotAllowed):
+            api_keys_for(world.acme, actor=user)
+    assert ApiKey.objects.get(pk=world.acme_key.pk).revoked_at is None
+    assert list(api_keys_for(world.acme, actor=world.alice)) == [world.acme_key]

@@ -337,8 +337,10 @@ def test_alice_revokes_a_key(as_alice, world):
     url = reverse("tenants:revoke_key", args=[world.acme_key.pk])
     assert b"cannot be undone" in as_alice.get(url).content
     as_alice.post(url)
-    assert ApiKey.objects.get(pk=world.acme_key.pk).revoked_at is not None
-    assert b"revoked" in as_alice.get(reverse("tenants:keys")).content
+    key = ApiKey.objects.get(pk=world.acme_key.pk)
+    assert key.revoked_at is not None and key.revoked_by == world.alice
+    page = as_alice.get(reverse("tenants:keys")).content
+    assert b"revoked" in page and b"by alice" in page
 
 
 # --- members -------------------------------------------------------------------------------

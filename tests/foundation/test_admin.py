@@ -50,3 +50,17 @@ def test_audit_admin_is_read_only_and_exports_the_filtered_rows(world, staff):
     rows = list(csv.DictReader(io.StringIO(b"".join(response.streaming_content).decode())))
     assert [r["request_id"] for r in rows] == [str(ok.request_id)]
     assert rows[0]["weights_sha256"] == "b" * 64
+
+
+def test_staff_revoke_keys_with_the_admin_action_and_it_records_who(world, staff):
+    from django.contrib.auth import get_user_model
+
+    from gateway.models import ApiKey
+
+    response = staff.post(reverse("admin:gateway_apikey_changelist"),
+                          {"action": "revoke", "_selected_action": [world.acme_key.pk]})
+    assert response.status_code == 302
+    key = ApiKey.objects.get(pk=world.acme_key.pk)
+    admin_user = get_user_model().objects.get(username="admin")
+    assert key.revoked_at is not None and key.revoked_by == admin_user
+    assert ApiKey.objects.get(pk=world.globex_key.pk).revoked_at is None
