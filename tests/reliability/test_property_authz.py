@@ -42,10 +42,15 @@ def _extras(r) -> dict:
     }
 
 
+def _model(label: str):
+    """The installed model named 'app_label.ModelName' (by import-free lookup over the registry)."""
+    return next(m for m in apps.get_models() if m._meta.label == label)
+
+
 def snapshot() -> dict:
     rows = {}
     for label in TABLES:
-        model = apps.get_model(label)
+        model = _model(label)
         for obj in model._default_manager.all().values():
             rows[(label, obj["id"])] = obj
     return rows
@@ -60,7 +65,7 @@ def diff(before: dict, after: dict) -> dict:
             return "<volatile>"
         if isinstance(value, datetime):
             return "<datetime>"
-        model = apps.get_model(label)
+        model = _model(label)
         field = next((f for f in model._meta.concrete_fields if f.attname == name), None)
         if field is not None and field.is_relation and value is not None:
             target = field.related_model._meta.label
