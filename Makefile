@@ -73,5 +73,11 @@ bench: install
 	$(PY) bench/engine.py
 	$(PY) bench/adapter_load.py
 
+# The GPU check (issue 16), for the machine with the GPU: python3 from PATH (or PYTHON=...), figures and logs
+# under $$OUT (default var/gpu_check). `make gpu-check GPU_CHECK_ARGS=--cpu-rehearsal` rehearses it on CPU.
+.PHONY: gpu-check
+gpu-check:
+	bash bench/gpu_check.sh $(GPU_CHECK_ARGS)
+
 clean:
 	rm -rf var/celery var/screenshots

@@ -8,6 +8,11 @@ The reduction is over the short rank axis and the parallelism is over d_out, so 
 each (token block, d_out block) of a segment belongs to exactly one program, which loads `out`, adds its
 fp32 sum and stores it back. The rank loop stops at the slot's real rank (read from the table); the
 programs of a rank-0 slot return before touching `out`.
+
+Precision with fp16/bf16 weights: y (the shrink's fp32 output) is rounded once to tf32 — 10 mantissa bits
+and fp32's exponent range — and multiplied with B converted exactly to fp32 on tf32 tensor cores, with
+fp32 accumulation. Rounding y to B's dtype instead (the plain half-precision dot) would cost bf16 two more
+bits and overflow fp16 to inf wherever |y| > 65504, a value the final output may well be able to hold.
 """
 from __future__ import annotations
 
@@ -17,6 +22,20 @@ import triton.language as tl
 
 from .mapping import LoraMapping, SegmentPlan
 from .table import LoraTable
+
+
+@triton.jit
+def _round_to_tf32(v):
+    """fp32 -> the nearest tf32 value (10 mantissa bits, ties to even; inf and NaN kept), still as fp32.
+
+    Done by hand so the tensor-core tf32 dot multiplies exactly these values (its own handling of the
+    low mantissa bits never comes into play) and the interpreter, whose dot is exact fp32, computes the
+    same products: what the CPU tests check is what the GPU runs."""
+    bits = v.to(tl.int32, bitcast=True)
+    special = (bits & 0x7F800000) == 0x7F800000
+    safe = tl.where(special, 0, bits)  # no carry out of inf/NaN patterns
+    rounded = (safe + (((safe >> 13) & 1) + 0xFFF)) & -8192  # -8192 = 0xFFFFE000: clear the low 13 bits
+    return tl.where(special, bits, rounded).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -78,12 +97,12 @@ def _expand_kernel(
             mask=n_mask[None, :] & r_mask[:, None],
             other=0.0,
         )  # [BLOCK_R, BLOCK_N]
-        if UPCAST_DOT:
-            acc += tl.dot(y, b.to(tl.float32), input_precision="ieee")
-        elif FP32_IEEE:
+        if FP32_IEEE:
             acc += tl.dot(y, b, input_precision="ieee")
-        else:
-            acc += tl.dot(y.to(b.dtype), b)  # half inputs, fp32 accumulation
+        elif UPCAST_DOT:  # the interpreter's dot is exact fp32 whatever the flag: the same products as below
+            acc += tl.dot(_round_to_tf32(y), b.to(tl.float32), input_precision="ieee")
+        else:  # half weights: y rounded once to tf32 (fp32's range), B exact in tf32; fp32 accumulation
+            acc += tl.dot(_round_to_tf32(y), b.to(tl.float32), input_precision="tf32")
     acc = acc * scale
 
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
