@@ -2,7 +2,8 @@
 before anything is enqueued (a prompt that cannot fit is the caller's 400, not a worker's job).
 
 The web process loads only the base's tokenizer (small, CPU, cached per base and checkpoint hash),
-never its weights. The worker tokenizes the same way (`encode(text, add_special_tokens=True)`).
+never its weights. Completion text is tokenized by the worker as here (`encode(text, add_special_tokens=True)`);
+chat prompts travel as the template's token ids (`chat_prompt`).
 """
 from __future__ import annotations
 
@@ -34,12 +35,16 @@ def tokenizer_for(base):
     return tokenizer
 
 
-def chat_prompt(base, messages: list[dict[str, str]]) -> str:
+def chat_prompt(base, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+    """The rendered chat text and its token ids exactly as transformers' apply_chat_template(tokenize=True)
+    makes them: the template writes its own special tokens, so nothing is added (a template that emits BOS
+    itself, as Llama-3's does, must not get a second one from the tokenizer)."""
     tokenizer = tokenizer_for(base)
     if not getattr(tokenizer, "chat_template", None):
         raise invalid(f"The base model {base.slug!r} has no chat template; use /v1/completions.",
                       param="messages", code="chat_not_supported")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def count_and_check(base, params: GenerationParams, *, param: str) -> int:

@@ -44,8 +44,8 @@ def serve(request, *, route: str, chat: bool) -> HttpResponse:
             slot = TenantSlot(key.tenant).__enter__()
             params = (parse_chat if chat else parse_completion)(parse_json_body(read_body(request)))
             draft.target = target = resolve_target(key, params.model)
-            if chat:
-                params.prompt = chat_prompt(target.base, params.messages)
+            if chat:  # the text for the audit; the ids are what the worker reads (one BOS, the template's)
+                params.prompt, params.prompt_token_ids = chat_prompt(target.base, params.messages)
             draft.prompt_text = params.prompt if params.prompt is not None else repr(params.prompt_token_ids)
             count_and_check(target.base, params, param="messages" if chat else "prompt")
             response = _enqueue_and_answer(draft, target, params, chat=chat, request=request, slot=slot)

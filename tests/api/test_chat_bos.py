@@ -94,11 +94,6 @@ def test_the_tokenizer_really_adds_bos_on_its_own(llama3_checkpoint):
     assert ids.count(bos) == 1 and ids[0] == bos
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a second BOS: gateway/serving.py sends the rendered chat text and the worker encodes it with "
-    "add_special_tokens=True, so a tokenizer that adds BOS itself puts a second one after the template's. "
-    "Fix (gateway): send the chat prompt as prompt_token_ids from apply_chat_template(..., tokenize=True), "
-    "and count those in gateway/prompts.py. Remove this mark when it lands."))
 def test_a_template_that_writes_bos_gets_one_bos_and_usage_counts_what_transformers_counts(
         api, post, engine_dispatcher, llama3_checkpoint):
     from transformers import AutoTokenizer
