@@ -33,7 +33,8 @@ MARKER = "gguf_import.json"
 # GGUF's general.architecture -> transformers' model_type, for those the runner serves. llama.cpp writes
 # Mistral checkpoints as "llama"; the newer "mistral" name is accepted too.
 SERVABLE_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-assert set(SERVABLE_GGUF_ARCHITECTURES.values()) <= set(SUPPORTED_ARCHITECTURES)
+if not set(SERVABLE_GGUF_ARCHITECTURES.values()) <= set(SUPPORTED_ARCHITECTURES):
+    raise ImportError("SERVABLE_GGUF_ARCHITECTURES names an architecture the manifest does not support")
 
 
 class GGUFImportError(ValueError):

@@ -9,10 +9,17 @@ import json
 import struct
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# The LoRA layout is written once, in protocol.lora_layout; re-exported here for the adapters app's modules.
+from protocol.lora_layout import (  # noqa: F401
+    ATTENTION_MODULES,
+    BLOCK_OF,
+    MLP_MODULES,
+    TARGET_MODULES,
+    ModelShape,
+    peft_tensor_name,
+)
 
-from protocol.lora_layout import ATTENTION_MODULES, BLOCK_OF, MLP_MODULES, TARGET_MODULES, ModelShape  # noqa: F401
-from protocol.lora_layout import peft_tensor_name
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
 class ManifestError(ValueError):

@@ -6,6 +6,7 @@ from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
 
+from protocol.lora_layout import peft_scale
 from tenants.models import Tenant, slug_validator
 from tenants.scoping import TenantScopedQuerySet, scoped_queryset
 
@@ -40,7 +41,7 @@ class BaseModel(models.Model):
 class AdapterQuerySet(TenantScopedQuerySet):
     tenant_path = "tenant"
 
-    def live(self) -> "AdapterQuerySet":
+    def live(self) -> AdapterQuerySet:
         return self.filter(deleted_at__isnull=True)
 
 
@@ -121,19 +122,20 @@ class AdapterVersion(models.Model):
     def __str__(self) -> str:
         return f"{self.adapter}@{self.number}"
 
-    @property
-    def scale(self) -> float:
-        return self.alpha / (self.rank ** 0.5) if self.use_rslora else self.alpha / self.rank
-
     def save(self, *args, **kwargs):
         if self.pk is not None and not self._state.adding:
             attnames = [self._meta.get_field(name).attname for name in self.IMMUTABLE_FIELDS]
             stored = type(self).objects.filter(pk=self.pk).values(*attnames).first()
             if stored is not None:
-                for name, attname in zip(self.IMMUTABLE_FIELDS, attnames):
+                for name, attname in zip(self.IMMUTABLE_FIELDS, attnames, strict=True):
                     if stored[attname] != getattr(self, attname):
                         raise ImmutableFieldError(f"Adapter versions are immutable; cannot change {name}.")
         super().save(*args, **kwargs)
+
+    @property
+    def scale(self) -> float:
+        """PEFT's scaling (protocol.lora_layout.peft_scale): alpha / r, or alpha / sqrt(r) for rsLoRA."""
+        return peft_scale(self.alpha, self.rank, self.use_rslora)
 
 
 class VersionPointerChange(models.Model):

@@ -19,7 +19,8 @@ import hashlib
 import logging
 import os
 import tempfile
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from django.conf import settings
 from django.core.files.uploadhandler import FileUploadHandler, StopUpload
@@ -32,7 +33,12 @@ from .models import Adapter, AdapterVersion
 from .services import AdapterStateError, activate_version
 from .storage import BlobStorageError, blob_exists, blob_sha256, delete_blob, put_blob, storage_key_for
 from .validation import (
-    CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, AdapterSpec, AdapterValidationError, parse_config,
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    WEIGHTS_FILE,
+    AdapterSpec,
+    AdapterValidationError,
+    parse_config,
     validate_adapter,
 )
 

@@ -22,7 +22,13 @@ import numpy as np
 
 from adapters.manifest import lora_tensor_names
 from protocol.safetensors_check import (
-    DTYPE_NAMES, MAX_ENTRIES, SafetensorsError, SafetensorsLayout, TensorInfo, check_finite, iter_tensor_chunks,
+    DTYPE_NAMES,
+    MAX_ENTRIES,
+    SafetensorsError,
+    SafetensorsLayout,
+    TensorInfo,
+    check_finite,
+    iter_tensor_chunks,
     read_layout,
 )
 

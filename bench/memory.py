@@ -135,7 +135,7 @@ def run(base: Path, pages: int, prompts, adapters, fleet: Fleet | None, *, fixed
     eng = Engine(runner, fleet.loader if fleet else (lambda k: b""), max_running=MAX_RUNNING, prefill_chunk=512,
                  host_cache_bytes=1 << 30).start()
     jobs = [GenerationJob(f"r{k}", fleet.ref(a) if fleet else None, prompt_token_ids=p, max_tokens=NEW_TOKENS,
-                          temperature=0.0, ignore_eos=True) for k, (p, a) in enumerate(zip(prompts, adapters))]
+                          temperature=0.0, ignore_eos=True) for k, (p, a) in enumerate(zip(prompts, adapters, strict=True))]
     samples: list[int] = []
     stop = threading.Event()
 
@@ -208,7 +208,7 @@ def main() -> None:
           f"{probe.pool.page_bytes / 1e6:.2f} MB")
     print(f"traffic: {args.requests} requests, prompts 128-512 tokens, {NEW_TOKENS} new, Zipf({ZIPF_S}) over "
           f"{N_ADAPTERS} adapters ({len(set(adapters))} distinct drawn); "
-          f"{'window %.0f s' % args.window if args.window else 'each system to completion'}; "
+          f"{f'window {args.window:.0f} s' if args.window else 'each system to completion'}; "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}", flush=True)
     header = (f"{'system':<26} {'peak':>5} {'mean':>7} {'tok/s':>7} {'TTFT p50/p99':>13} {'firsts':>6} "
               f"{'hit':>5} {'loads/s':>7}")

@@ -21,7 +21,7 @@ DEBUG = env_bool("DJANGO_DEBUG", default=False)
 # The production switch (docker-compose.yml sets it): refuses the embedded default secret, serves only HTTPS
 # behind a TLS-terminating proxy (see "production: HTTPS" below) and keeps /metrics closed without a token.
 LORAFLEET_PRODUCTION = env_bool("LORAFLEET_PRODUCTION", default=False)
-_DEV_SECRET = "insecure-embedded-default-only-never-in-production"
+_DEV_SECRET = "insecure-embedded-default-only-never-in-production"  # noqa: S105 (refused in production, below)
 SECRET_KEY = env_str("DJANGO_SECRET_KEY", _DEV_SECRET)
 if not DEBUG and SECRET_KEY == _DEV_SECRET and LORAFLEET_PRODUCTION:
     raise ImproperlyConfigured("Set the DJANGO_SECRET_KEY environment variable (LORAFLEET_PRODUCTION=1).")
@@ -228,7 +228,7 @@ LORAFLEET_MAX_ATTEMPTS = env_int("LORAFLEET_MAX_ATTEMPTS", 3)
 # /metrics (gateway/metrics.py) answers only `Authorization: Bearer <LORAFLEET_METRICS_TOKEN>`. In production
 # an unset (or empty) token closes the endpoint: 404, as if it did not exist. The embedded default uses the
 # documented development token below. Per-tenant series (tenant slugs as label values) are opt-in.
-LORAFLEET_DEV_METRICS_TOKEN = "lorafleet-dev-metrics-token"
+LORAFLEET_DEV_METRICS_TOKEN = "lorafleet-dev-metrics-token"  # noqa: S105 (documented; never used in production)
 LORAFLEET_METRICS_TOKEN = env_str("LORAFLEET_METRICS_TOKEN", "" if LORAFLEET_PRODUCTION else LORAFLEET_DEV_METRICS_TOKEN)
 LORAFLEET_METRICS_TENANT_LABELS = env_bool("LORAFLEET_METRICS_TENANT_LABELS", default=False)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from .usage import Bucket
 
+
 @dataclass
 class Bar:
     x: float
@@ -67,12 +68,13 @@ def bar_chart(title: str, buckets: list[Bucket], metrics: list[tuple[str, str, s
     series = []
     for attr, legend, css in metrics:
         bars = []
-        for i, (bucket, value) in enumerate(zip(buckets, values[attr])):
+        for i, (bucket, value) in enumerate(zip(buckets, values[attr], strict=True)):
             if not value:
                 continue
             h = plot_h * value / scale_max
             label = bucket.start.strftime("%H:%M" if window == "24h" else "%a %d %H:%M")
-            bars.append(Bar(left + i * slot + 1, top + plot_h - h, max(slot - 2, 1), h, f"{label} UTC — {legend}: {_fmt(value, unit)}"))
+            tooltip = f"{label} UTC — {legend}: {_fmt(value, unit)}"
+            bars.append(Bar(left + i * slot + 1, top + plot_h - h, max(slot - 2, 1), h, tooltip))
         series.append((legend, css, bars))
     ticks = [(top + plot_h * (1 - f), _fmt(scale_max * f, unit)) for f in (0, 0.5, 1)]
     step = max(len(buckets) // 4, 1)

@@ -10,7 +10,8 @@ from django.urls import include, path
 from .views import adapters, keys, members, reports
 
 tenant_pages = [
-    path("login/", auth_views.LoginView.as_view(template_name="registration/login.html", redirect_authenticated_user=True), name="login"),
+    path("login/", auth_views.LoginView.as_view(template_name="registration/login.html", redirect_authenticated_user=True),
+         name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", members.home, name="home"),
     path("switch/", members.switch, name="switch"),

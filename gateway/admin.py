@@ -31,7 +31,8 @@ class AuditRecordAdmin(ReadOnlyAdmin):
         "request_id", "created_at", "tenant", "adapter_name", "version_number", "short_weights_sha256",
         "status", "http_status", "error_code", "completion_tokens", "total_seconds",
     ]
-    list_filter = ["tenant", "adapter", "version", "status", "base_model", "error_code", ("created_at", admin.DateFieldListFilter)]
+    list_filter = ["tenant", "adapter", "version", "status", "base_model", "error_code",
+                   ("created_at", admin.DateFieldListFilter)]
     search_fields = ["request_id", "weights_sha256", "expected_sha256", "adapter_identity", "key_prefix"]
     date_hierarchy = "created_at"
     list_select_related = ["tenant"]

@@ -26,7 +26,6 @@ from django.conf import settings
 
 from .errors import rate_limited
 
-
 # KEYS[1]: the tenant's theoretical arrival time; ARGV: seconds per request, burst (requests).
 # Returns "0" when admitted (and records it), else the seconds until a request would be admitted.
 _GCRA = """
@@ -188,7 +187,7 @@ class TenantSlot:
         self.tenant = tenant
         self._entered = False
 
-    def __enter__(self) -> "TenantSlot":
+    def __enter__(self) -> TenantSlot:
         tenant, store = self.tenant, counters()
         wait = store.admit(tenant.pk, tenant.requests_per_minute)
         if wait:  # None (Redis unreachable) or 0 (admitted) let it through

@@ -23,6 +23,7 @@ one cold adapter share one load.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
@@ -30,9 +31,10 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import NoReturn
 
 import torch
 
@@ -41,6 +43,7 @@ from protocol.safetensors_check import SafetensorsError, read_layout  # Django-f
 
 from .jobs import ADAPTER_INTEGRITY_ERROR, ADAPTER_LOAD_FAILED, AdapterRef
 from .lora import NoRoom
+
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -111,7 +114,7 @@ class LoraShapes:
     modules: dict[str, tuple[int, int]]
 
     @classmethod
-    def from_config(cls, config) -> "LoraShapes":
+    def from_config(cls, config) -> LoraShapes:
         """From the runner's config or a Hugging Face config dict (protocol.lora_layout's arithmetic)."""
         shape = ModelShape.from_config(config)
         return cls(num_layers=shape.num_layers, modules=shape.projections())
@@ -132,7 +135,7 @@ def check_adapter_weights(weights: dict[str, torch.Tensor], ref: AdapterRef, sha
     """Refuses weights that would not do what the adapter claims (a tensor that lands nowhere would
     otherwise silently serve the base model). Raises AdapterLoadError naming the tensor and the reason."""
 
-    def fail(msg: str):
+    def fail(msg: str) -> NoReturn:
         raise AdapterLoadError(ADAPTER_LOAD_FAILED, f"adapter {ref.sha256[:12]}: {msg}")
 
     if ref.rank < 1 or ref.rank > max_rank:
@@ -231,7 +234,7 @@ class AdapterCache:
                     self.counters["cold_loads"] += 1
                     fut = self._pool.submit(self._load, ref)
                     self._inflight[key] = fut
-                    fut.add_done_callback(lambda f, ref=ref: self._finish_load(ref, f))
+                    fut.add_done_callback(functools.partial(self._finish_load, ref))
                 return Acquired(LOADING)
             slot = self._place(host)
             if slot is None:
@@ -352,17 +355,18 @@ class AdapterCache:
         except Exception as exc:  # storage errors of every kind fail the requests, not the worker
             raise AdapterLoadError(ADAPTER_LOAD_FAILED, f"could not read {ref.storage_key!r}: {exc}") from exc
         digest = self._hash_pool.submit(lambda: hashlib.sha256(blob).hexdigest())
+        weights: dict[str, torch.Tensor] | None = None
         try:
-            weights, parse_error = tensors_from_buffer(blob), None
+            weights = tensors_from_buffer(blob)
         except (SafetensorsError, TypeError, ValueError) as exc:
-            weights, parse_error = None, exc
+            parse_error: Exception = exc
         actual = digest.result()
         if actual != ref.sha256.lower():
             raise AdapterLoadError(
                 ADAPTER_INTEGRITY_ERROR,
                 f"blob {ref.storage_key!r} has sha256 {actual[:12]}…, the adapter version expects {ref.sha256[:12]}…",
             )
-        if parse_error is not None:
+        if weights is None:
             raise AdapterLoadError(ADAPTER_LOAD_FAILED, f"blob {ref.storage_key!r} is not valid safetensors: {parse_error}")
         check_adapter_weights(weights, ref, self.shapes, self.max_rank)
         # Kept in the blob's dtype, as views of the blob: the pool copy converts as it copies, which

@@ -126,7 +126,7 @@ class LoraPool:
             expected = (r, d_in) if ab == "A" else (d_out, r)
             if tensor.dim() != 2 or tuple(tensor.shape) != expected or r > rank:
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{'[r, %d]' % d_in if ab == 'A' else '[%d, r]' % d_out} with r <= {rank}")
+                                 f"{f'[r, {d_in}]' if ab == 'A' else f'[{d_out}, r]'} with r <= {rank}")
             parsed[(layer, proj, ab)] = tensor
         for (layer, proj, ab) in parsed:
             other = "B" if ab == "A" else "A"
@@ -142,10 +142,11 @@ class LoraPool:
             pages, start, reserved = self.fixed_pages, self._reserve.pop(), True
         else:
             pages, reserved = adapter_pages(self.shape, rank, targets, self.block_size), False
-            start = self.pool.allocate_extent(pages)
-            if start is None:
+            extent = self.pool.allocate_extent(pages)
+            if extent is None:
                 raise NoRoom(f"no run of {pages} free pages (largest {self.pool.largest_free_run()}, "
                              f"{self.pool.num_free} free)")
+            start = extent
         offsets = adapter_layout(self.shape, rank, targets)
         base = start * self.pool.page_elems
         try:
@@ -156,14 +157,14 @@ class LoraPool:
                     a_off, b_off = base + offsets[proj][0], base + offsets[proj][1]
                     a_dst = buf[a_off:a_off + rank * d_in].view(rank, d_in)
                     bt_dst = buf[b_off:b_off + rank * d_out].view(rank, d_out)
-                    a, b = parsed.get((layer, proj, "A")), parsed.get((layer, proj, "B"))
-                    r = 0 if a is None else a.shape[0]
+                    a, b = parsed.get((layer, proj, "A")), parsed.get((layer, proj, "B"))  # both or neither
+                    r = 0 if a is None or b is None else a.shape[0]
                     # Pages are reused (KV blocks, other adapters): whatever this adapter does not write
                     # (a layer it skips, rows past a module's smaller rank) must be zero.
                     if r < rank:
                         a_dst[r:].zero_()
                         bt_dst[r:].zero_()
-                    if r:
+                    if a is not None and b is not None and r:
                         a_dst[:r].copy_(a)  # copy_ converts dtype and device
                         bt_dst[:r].copy_(b.t())
         except BaseException:
@@ -203,25 +204,32 @@ class LoraPool:
         for proj, (d_in, d_out) in self.projections.items():
             a, b, ranks = [], [], []
             for r in self._slots:
-                hit = r is not None and proj in r.targets
-                a.append(r.start * E + r.offsets[proj][0] if hit else 0)
-                b.append(r.start * E + r.offsets[proj][1] if hit else 0)
-                ranks.append(r.rank if hit else 0)
+                if r is not None and proj in r.targets:
+                    a.append(r.start * E + r.offsets[proj][0])
+                    b.append(r.start * E + r.offsets[proj][1])
+                    ranks.append(r.rank)
+                else:  # an empty slot, or an adapter that does not target this projection
+                    a.append(0)
+                    b.append(0)
+                    ranks.append(0)
             self.tables[proj] = LoraTable.build(a, b, ranks, d_in=d_in, d_out=d_out, device=self.device)
         self.scales = torch.tensor([r.scale if r is not None else 0.0 for r in self._slots], dtype=torch.float32,
                                    device=self.device)  # [S]
 
     # ---- per step ---------------------------------------------------------------------------------
 
-    def mapping(self, token_slots: list[int]) -> "StepLora | None":
+    def mapping(self, token_slots: list[int]) -> StepLora | None:
         """The step's LoRA state, or None when no token uses an adapter (the LoRA term is zero)."""
         active = {s for s in token_slots if s >= 0}
+        residents = []
         for s in active:
-            if s >= len(self._slots) or self._slots[s] is None:
+            resident = self._slots[s] if s < len(self._slots) else None
+            if resident is None:
                 raise ValueError(f"slot {s} holds no adapter")
+            residents.append(resident)
         if not active:
             return None
-        targeted = frozenset().union(*(self._slots[s].targets for s in active))
+        targeted = frozenset().union(*(r.targets for r in residents))
         mapping = LoraMapping.build(token_slots, len(self._slots), device=self.device)
         return StepLora(self, mapping, targeted)
 

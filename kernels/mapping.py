@@ -57,7 +57,7 @@ class SegmentPlan:
             plan = CpuPlan(
                 num_short=len(short),
                 short_segs=packed,
-                short_ptrs=tuple(packed[i].data_ptr() for i in range(4)),
+                short_ptrs=(packed[0].data_ptr(), packed[1].data_ptr(), packed[2].data_ptr(), packed[3].data_ptr()),
                 short_rank_sum=sum({slot: r for _, _, slot, r in short}.values()),
                 long_segments=tuple(seg for seg in self.segments if seg[1] - seg[0] >= long_segment),
             )
@@ -122,7 +122,7 @@ class LoraMapping:
         token_slots: torch.Tensor | list[int],
         num_slots: int,
         device: torch.device | str | None = None,
-    ) -> "LoraMapping":
+    ) -> LoraMapping:
         """Build from a slot per token (-1 = no adapter) and the number of slots of the tables.
 
         Tensors land on `device` (default: the device of `token_slots`, or CPU for lists). Slots need

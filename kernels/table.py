@@ -67,7 +67,7 @@ class LoraTable:
         d_in: int,
         d_out: int,
         device: torch.device | str,
-    ) -> "LoraTable":
+    ) -> LoraTable:
         """A table from host lists (one entry per slot). Three small host-to-device copies; build one per
         projection when an adapter loads or evicts, and reuse it for every layer and step until then."""
         a_offs, b_offs, rks = [int(v) for v in a_offsets], [int(v) for v in b_offsets], [int(v) for v in ranks]

@@ -56,13 +56,13 @@ def random_pool(
     end += rng.randint(0, max_gap)
     buffer = torch.randn(end, generator=gen).mul_(std).to(dtype)  # [N] weights everywhere ...
     pos = 0
-    for off, size in sorted(zip(offsets, sizes)):  # ... then garbage in every gap
+    for off, size in sorted(zip(offsets, sizes, strict=True)):  # ... then garbage in every gap
         if off > pos:
             buffer[pos:off] = ((torch.rand(off - pos, generator=gen) * 2 - 1) * garbage).to(dtype)
         pos = max(pos, off + size)
     if end > pos:
         buffer[pos:end] = ((torch.rand(end - pos, generator=gen) * 2 - 1) * garbage).to(dtype)
-    where = dict(zip(blocks, offsets))
+    where = dict(zip(blocks, offsets, strict=True))
     tables = {
         name: LoraTable.build(
             [where[(name, s, "a")] for s in range(len(ranks[name]))],

@@ -25,7 +25,7 @@ class ModelShape:
     head_dim: int
 
     @classmethod
-    def from_config(cls, config) -> "ModelShape":
+    def from_config(cls, config) -> ModelShape:
         """From a Hugging Face config (dict), the runner's ModelConfig, or a shape manifest (all names read)."""
 
         def get(*names, default=None):

@@ -157,7 +157,7 @@ class FleetPlan:
 
 def plan_fleet(split: PoolSplit, shape: ModelShape, fleet: list[FleetEntry], *, context_len: int) -> FleetPlan:
     per = tuple(adapter_pages(shape, e.rank, e.targets, split.block_size) for e in fleet)
-    used = sum(p * e.count for p, e in zip(per, fleet))
+    used = sum(p * e.count for p, e in zip(per, fleet, strict=True))
     kv = split.num_pages - used
     per_seq = blocks_for(context_len, split.block_size)
     return FleetPlan(pages_per_adapter=per, adapter_pages=used, kv_pages=kv, context_len=int(context_len),

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Protocol
 
 import numpy as np
 
@@ -85,7 +86,15 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def read_layout(fh: BinaryIO, file_size: int, *, max_header_bytes: int = MAX_HEADER_BYTES,
+class HeaderSource(Protocol):
+    """What read_layout needs of a file: an open binary file, or a buffer that can seek and read."""
+
+    def seek(self, offset: int, whence: int = 0, /) -> object: ...
+
+    def read(self, size: int, /) -> bytes: ...
+
+
+def read_layout(fh: HeaderSource, file_size: int, *, max_header_bytes: int = MAX_HEADER_BYTES,
                 max_entries: int = MAX_ENTRIES) -> SafetensorsLayout:
     """Parse and check the header of the safetensors file open in `fh` (positioned anywhere).
 

@@ -15,8 +15,8 @@ nothing to hide. Objects of *other* tenants are never reached: views look them u
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import wraps
-from typing import Callable
 
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied

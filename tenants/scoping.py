@@ -17,7 +17,7 @@ class TenantScopedQuerySet(models.QuerySet):
     #: the lookup from this model to its Tenant, e.g. "tenant" or "adapter__tenant"
     tenant_path = "tenant"
 
-    def for_tenant(self, tenant) -> "TenantScopedQuerySet":
+    def for_tenant(self, tenant) -> TenantScopedQuerySet:
         if tenant is None or getattr(tenant, "pk", None) is None:
             raise TenantScopeError(f"{self.model.__name__}.objects.for_tenant() needs a saved tenant, got {tenant!r}.")
         return self.filter(**{self.tenant_path: tenant})

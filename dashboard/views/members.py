@@ -98,7 +98,8 @@ def change_role(request: HttpRequest, pk: int) -> HttpResponse:
     except services.MembershipRefused as refusal:
         messages.error(request, str(refusal))
     else:
-        messages.success(request, f"{membership.user.get_username()} is now {membership.get_role_display().lower()} of {request.tenant.name}.")
+        role = membership.get_role_display().lower()
+        messages.success(request, f"{membership.user.get_username()} is now {role} of {request.tenant.name}.")
     return redirect("tenants:members")
 
 
@@ -202,5 +203,6 @@ def _answer(request: HttpRequest, invitation: Invitation, *, accept: bool) -> Ht
     if joined:
         messages.success(request, f"You joined {tenant.name} as {membership.get_role_display().lower()}.")
     else:
-        messages.success(request, f"You were already in {tenant.name}; your role ({membership.get_role_display().lower()}) is unchanged.")
+        role = membership.get_role_display().lower()
+        messages.success(request, f"You were already in {tenant.name}; your role ({role}) is unchanged.")
     return redirect("tenants:home")

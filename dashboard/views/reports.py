@@ -120,7 +120,8 @@ def _capacity_figures(plan) -> list[tuple[str, str]]:
         ("Base parameters", f"{plan.base_params:,}"),
         ("Base bytes", f"{plan.base_bytes:,} ({si_bytes(plan.base_bytes)})"),
         ("KV bytes per token", f"{plan.kv_bytes_per_token:,}"),
-        (f"KV bytes per {plan.context_len:,}-token sequence", f"{plan.kv_bytes_per_sequence:,} ({si_bytes(plan.kv_bytes_per_sequence)})"),
+        (f"KV bytes per {plan.context_len:,}-token sequence",
+         f"{plan.kv_bytes_per_sequence:,} ({si_bytes(plan.kv_bytes_per_sequence)})"),
         ("KV memory left on the card", f"{plan.kv_bytes_left:,} ({si_bytes(plan.kv_bytes_left)})"),
         ("Max concurrent sequences", f"{plan.max_concurrent_sequences:,}"),
     ]

@@ -6,9 +6,9 @@ customer's `save_pretrained` would produce.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
 
 import pytest
 import torch

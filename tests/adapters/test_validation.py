@@ -14,11 +14,16 @@ import numpy as np
 import pytest
 
 from adapters.manifest import lora_tensor_names, shape_manifest_from_config
-from protocol.safetensors_check import SafetensorsError, check_finite, read_layout
 from adapters.validation import (
-    BFLOAT16_MAX, AdapterValidationError, check_config, check_delta_bounds, parse_config, serving_limit,
+    BFLOAT16_MAX,
+    AdapterValidationError,
+    check_config,
+    check_delta_bounds,
+    parse_config,
+    serving_limit,
     validate_adapter,
 )
+from protocol.safetensors_check import SafetensorsError, check_finite, read_layout
 
 MANIFEST = shape_manifest_from_config({
     "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -38,7 +43,8 @@ def from_arrays(arrays: dict[str, np.ndarray]) -> bytes:
     header, chunks, offset = {}, [], 0
     for name, array in arrays.items():
         blob = array.tobytes()
-        header[name] = {"dtype": {"float32": "F32", "float16": "F16"}[array.dtype.name], "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
+        header[name] = {"dtype": {"float32": "F32", "float16": "F16"}[array.dtype.name], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
         chunks.append(blob)
         offset += len(blob)
     return safetensors_bytes(header, b"".join(chunks))

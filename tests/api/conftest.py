@@ -11,10 +11,10 @@ import pytest
 
 from adapters.manifest import shape_manifest_from_checkpoint
 from adapters.models import BaseModel
+from demo.tiny_base import build_tiny_base
 from gateway import limits, queue
 from inference_worker.jobs import GenerationResult
 from inference_worker.replies import ReplyTimeout
-from demo.tiny_base import build_tiny_base
 
 
 @pytest.fixture(scope="session")

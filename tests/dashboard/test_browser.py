@@ -74,7 +74,8 @@ def log_in(page, username: str, password: str) -> None:
 WATCH_PROGRESS = """() => {
   window.__progress = [];
   const el = document.querySelector('#upload-percent');
-  new MutationObserver(() => window.__progress.push(el.textContent)).observe(el, {childList: true, characterData: true, subtree: true});
+  new MutationObserver(() => window.__progress.push(el.textContent))
+    .observe(el, {childList: true, characterData: true, subtree: true});
 }"""
 
 

@@ -15,9 +15,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.messages import get_messages
 from django.core import mail
+from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
-from django.db import connection
 from django.urls import reverse
 
 from tenants.models import Invitation, Membership, Role

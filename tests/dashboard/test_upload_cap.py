@@ -1,7 +1,6 @@
 """The upload view stops reading a body at the size cap, before CSRF or form parsing reads it all."""
-from django.urls import reverse
-
 import pytest
+from django.urls import reverse
 
 from adapters.models import AdapterVersion
 

@@ -21,9 +21,9 @@ django.setup()
 
 from adapters.services import activate_version, create_adapter, register_base_model  # noqa: E402
 from adapters.uploads import create_adapter_version  # noqa: E402
-from tests.support.peft_factory import make_random_peft_adapter  # noqa: E402
 from gateway.services import issue_api_key, revoke_api_key  # noqa: E402
 from tenants.services import create_tenant  # noqa: E402
+from tests.support.peft_factory import make_random_peft_adapter  # noqa: E402
 
 
 def main(checkpoint: str, work: str, suffix: str, mode: str = "full") -> dict:

@@ -12,7 +12,6 @@ import httpx
 from inference_worker.jobs import AdapterRef, GenerationJob
 from tests.e2e.conftest import series_value
 
-
 PROMPTS = ["Once upon a time", "The little dog", "She said hello to", "In the morning the",
            "A bird sang", "They went to the", "It was a sunny", "He looked at the"]
 
@@ -36,7 +35,7 @@ def test_64_concurrent_requests_over_8_adapters_of_2_tenants(e2e, db_rows):
     version_of = {name: a["versions"][0] for name, a in adapters}
     refused = [(name, prompt, r.status_code, r.text[:300]) for name, prompt, r in answers if r.status_code != 200]
     assert not refused, refused
-    for name, prompt, r in answers:
+    for name, _prompt, r in answers:
         meta = r.json()["lorafleet"]
         version = version_of[name]
         blob = (e2e.storage / version["storage_key"]).read_bytes()

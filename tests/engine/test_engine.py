@@ -10,9 +10,9 @@ import torch
 from inference_worker.engine import Engine
 from inference_worker.jobs import AdapterRef, GenerationJob
 from inference_worker.model import ModelRunner
+from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
 from tests.support.peft_factory import make_random_peft_adapter
 
-from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
 TARGET_SETS = [("q_proj", "v_proj"), ALL_TARGETS, ("o_proj", "down_proj"), ("k_proj", "gate_proj", "up_proj")]
 RANKS = [4, 8, 16, 32, 64]
 PROMPTS = [
@@ -153,7 +153,7 @@ def test_a_failing_request_fails_alone(fleet):
         ]
         handles = [eng.submit(j) for j in bad[:2] + good[:2] + bad[2:] + good[2:]]
         results = {h.request_id: h.result(timeout=60) for h in handles}
-        for j, want in zip(good, alone):
+        for j, want in zip(good, alone, strict=True):
             assert results[j.request_id].ok and results[j.request_id].token_ids == want
         codes = {rid: (r.status, r.error_code) for rid, r in results.items() if not r.ok}
         assert codes == {

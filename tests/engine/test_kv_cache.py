@@ -72,16 +72,16 @@ def test_sequences_of_different_lengths_share_one_pool_with_interleaved_and_reus
     # full of the previous runs' stale keys, which must not leak into anyone's attention.
     needs = [blocks_needed(len(p) + 2, 4) for p in prompts]
     tables: list[list[int]] = [[], [], []]
-    while any(len(t) < n for t, n in zip(tables, needs)):
-        for t, n in zip(tables, needs):
+    while any(len(t) < n for t, n in zip(tables, needs, strict=True)):
+        for t, n in zip(tables, needs, strict=True):
             if len(t) < n:
                 t.extend(alloc.allocate(1))
     assert alloc.num_free == 14 - sum(needs) == 1
-    logits = runner.forward([SeqStep(t, 0, p, -1) for t, p in zip(tables, prompts)])
+    logits = runner.forward([SeqStep(t, 0, p, -1) for t, p in zip(tables, prompts, strict=True)])
     for i in range(3):
         torch.testing.assert_close(logits[i], expected[i][0], atol=1e-4, rtol=0)
     for k, tok in enumerate((7, 8), start=1):
-        logits = runner.forward([SeqStep(t, len(p) + k - 1, [tok], -1) for t, p in zip(tables, prompts)])
+        logits = runner.forward([SeqStep(t, len(p) + k - 1, [tok], -1) for t, p in zip(tables, prompts, strict=True)])
         for i in range(3):
             torch.testing.assert_close(logits[i], expected[i][k], atol=1e-4, rtol=0)
 

@@ -2,7 +2,6 @@
 and targets, what can never fit is refused at once, and a fleet far larger than the pool is served."""
 import hashlib
 import random
-
 import time
 from collections import deque
 

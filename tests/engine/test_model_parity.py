@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from protocol.lora_layout import peft_scale
 from inference_worker.model import ModelRunner, SeqStep
+from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
+from protocol.lora_layout import peft_scale
 from tests.support.peft_factory import make_random_peft_adapter
 
-from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
 PROMPT = [17, 120, 45, 301, 9, 77, 250, 13, 88, 402, 5, 66, 140, 233]
 
 

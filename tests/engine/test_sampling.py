@@ -88,7 +88,7 @@ def test_the_earliest_of_several_stop_strings_wins():
 
 def test_multibyte_characters_are_emitted_whole():
     t = IncrementalText(ByteTokenizer(), [65])
-    b = "né€".encode("utf-8")
+    b = "né€".encode()
     seen = []
     for tok in b:
         t.append(tok)

@@ -24,14 +24,16 @@ def test_bad_boolean_names_the_variable(monkeypatch):
 def test_database_url_is_parsed():
     db = database_from_url("DATABASE_URL", "postgres://app:s%40cret@db.internal:6543/lorafleet?sslmode=require")
     assert db["ENGINE"] == "django.db.backends.postgresql"
-    assert (db["USER"], db["PASSWORD"], db["HOST"], db["PORT"], db["NAME"]) == ("app", "s@cret", "db.internal", "6543", "lorafleet")
+    assert (db["USER"], db["PASSWORD"], db["HOST"], db["PORT"], db["NAME"]) == \
+        ("app", "s@cret", "db.internal", "6543", "lorafleet")
     assert db["OPTIONS"] == {"sslmode": "require"}
     with pytest.raises(ImproperlyConfigured, match="DATABASE_URL"):
         database_from_url("DATABASE_URL", "mysql://x/y")
 
 
 def _settings_in_subprocess(env: dict, expr: str) -> subprocess.CompletedProcess:
-    code = f"import django, os; os.environ['DJANGO_SETTINGS_MODULE']='config.settings'; django.setup(); from django.conf import settings; print({expr})"
+    code = ("import django, os; os.environ['DJANGO_SETTINGS_MODULE']='config.settings'; django.setup(); "
+            f"from django.conf import settings; print({expr})")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "CELERY_", "LORAFLEET_STORAGE"))}
     return subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=60)
 
@@ -39,7 +41,8 @@ def _settings_in_subprocess(env: dict, expr: str) -> subprocess.CompletedProcess
 def test_embedded_default_keeps_everything_under_var(tmp_path):
     out = _settings_in_subprocess(
         {"LORAFLEET_VAR_DIR": str(tmp_path)},
-        "settings.DATABASES['default']['ENGINE'], settings.CELERY_BROKER_URL, settings.STORAGES['adapters']['OPTIONS']['location'], settings.CELERY_BROKER_TRANSPORT_OPTIONS['data_folder_in']",
+        "settings.DATABASES['default']['ENGINE'], settings.CELERY_BROKER_URL, "
+        "settings.STORAGES['adapters']['OPTIONS']['location'], settings.CELERY_BROKER_TRANSPORT_OPTIONS['data_folder_in']",
     )
     assert out.returncode == 0, out.stderr
     assert "sqlite3" in out.stdout and "filesystem://" in out.stdout

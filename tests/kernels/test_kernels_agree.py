@@ -143,7 +143,7 @@ def test_the_reference_reads_each_matrix_where_the_table_says():
              torch.randn(d_out, r, generator=g, dtype=torch.float64)) for r in ranks]
     buffer = torch.full((200,), 1e6, dtype=torch.float64)
     a_offsets, b_offsets = [101, 0, 7], [40, 0, 180]  # out of order, unaligned, slot 1 empty
-    for (a, b), a_off, b_off in zip(mats, a_offsets, b_offsets):
+    for (a, b), a_off, b_off in zip(mats, a_offsets, b_offsets, strict=True):
         buffer[a_off : a_off + a.numel()] = a.flatten()
         buffer[b_off : b_off + b.numel()] = b.t().flatten()  # B stored rank-major
     table = LoraTable.build(a_offsets, b_offsets, ranks, d_in=d_in, d_out=d_out, device="cpu")

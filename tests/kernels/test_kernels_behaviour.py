@@ -127,7 +127,7 @@ def test_offsets_past_2_31_elements(tmp_path):
     g = torch.Generator().manual_seed(11)
     ranks, a_offsets, b_offsets = [3, 5], [17, (1 << 31) + 4099], [300, (1 << 31) - 1]  # B_1 straddles 2^31
     mats = []
-    for r, a_off, b_off in zip(ranks, a_offsets, b_offsets):
+    for r, a_off, b_off in zip(ranks, a_offsets, b_offsets, strict=True):
         a, b_t = torch.randn(r, D_IN, generator=g), torch.randn(r, D_OUT, generator=g)
         buffer[a_off : a_off + a.numel()] = a.flatten()
         buffer[b_off : b_off + b_t.numel()] = b_t.flatten()

@@ -90,8 +90,7 @@ def realm(world, tiny_checkpoint, dispatcher, adapter_storage_dir):
     from adapters.manifest import shape_manifest_from_checkpoint
     from adapters.models import BaseModel
     from adapters.services import activate_version, create_adapter
-    from gateway.models import AuditRecord
-    from gateway.models import ApiKey
+    from gateway.models import ApiKey, AuditRecord
     from gateway.services import issue_api_key, revoke_api_key
     from tenants.models import Role
     from tenants.services import add_member, do_invite

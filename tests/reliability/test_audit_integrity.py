@@ -36,7 +36,7 @@ def answered(rel_stack):
     models = sorted(rel_stack.seed["adapters"])
     calls = [(models[i % len(models)], f"Sample {i} says") for i in range(SAMPLES)]
     with ThreadPoolExecutor(8) as pool:
-        return list(zip([m for m, _ in calls], pool.map(lambda c: _complete(rel_stack, *c), calls)))
+        return list(zip([m for m, _ in calls], pool.map(lambda c: _complete(rel_stack, *c), calls), strict=True))
 
 
 def _rolled_back(url: str):

@@ -16,8 +16,8 @@ owner included, it is a 404 like any object that is not theirs.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pytest
 from django.db import transaction

@@ -129,7 +129,8 @@ def rank_over_cap(tiny_checkpoint, tmp_path_factory) -> Path:
 REASONS = {
     "pickle .bin": "pickle", "pickle named .safetensors": "pickle", "header length 2**62": "header declares",
     "header over the limit (5 MB)": "header declares", "100,000 header entries": "header declares",
-    "50,000 entries in a header under 4 MB": "lists 50000 tensors", "overlapping offsets": "overlaps", "zero-size tensor": "[0, 64]",
+    "50,000 entries in a header under 4 MB": "lists 50000 tensors", "overlapping offsets": "overlaps",
+    "zero-size tensor": "[0, 64]",
     "shape product overflows 64 bits": "4294967296", "NaN weight": "NaN", "Inf weight": "Inf",
     "rank 128 over the cap of 64": "rank 128", "no matching module (foo_proj)": "foo_proj",
     "no matching module (layer 99)": "layer 99", "modules_to_save (lm_head)": "modules_to_save",
@@ -295,7 +296,7 @@ def test_every_hostile_upload_is_refused(realm, as_alice, peft_folder, rank_over
     versions_before = _versions(realm)
     for case in cases:
         body = multipart(case.config, case.weights_name, case.weights)
-        response, m, traced = send_measured(lambda: as_alice.generic(
+        response, m, traced = send_measured(lambda body=body: as_alice.generic(
             "POST", url, body, content_type=f"multipart/form-data; boundary={BOUNDARY}", HTTP_ACCEPT="application/json"))
         _check_refused(realm, adapter_storage_dir, canary, case.name, response, m, versions_before, traced=traced)
         assert response.json()["ok"] is False and response.json()["error"], case.name
