@@ -7,7 +7,7 @@ import json
 from django.shortcuts import render
 from drf_spectacular.generators import SchemaGenerator
 
-from .errors import WORKER_ERROR_STATUS
+from protocol.errors import ErrorCode
 
 
 def _resolve(schema: dict, components: dict) -> dict:
@@ -52,5 +52,5 @@ def api_docs(request):
     return render(request, "gateway/api_docs.html", {
         "info": schema["info"], "operations": operations,
         "lorafleet": _fields({"$ref": "#/components/schemas/Lorafleet"}, components),
-        "worker_errors": sorted(WORKER_ERROR_STATUS.items(), key=lambda kv: (kv[1], kv[0])),
+        "worker_errors": sorted(((code.value, code.http_status) for code in ErrorCode), key=lambda kv: (kv[1], kv[0])),
     })

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from django.http import JsonResponse
 
+from protocol.errors import ErrorCode
+
 
 class ApiError(Exception):
     """An answer that is not a completion. Raised anywhere in the request path, rendered once by the view."""
@@ -94,49 +96,36 @@ def database_unavailable() -> ApiError:
 
 
 def internal_error() -> ApiError:
-    return ApiError(500, "internal_error", "The server failed while answering this request.", type="server_error")
+    code = ErrorCode.INTERNAL_ERROR
+    return ApiError(code.http_status, code.value, "The server failed while answering this request.", type="server_error")
 
 
 def timed_out(seconds: float) -> ApiError:
-    return ApiError(504, "timeout", f"No answer from a worker within {seconds:g} s.", type="server_error")
+    code = ErrorCode.TIMEOUT
+    return ApiError(code.http_status, code.value, f"No answer from a worker within {seconds:g} s.", type="server_error")
 
 
-# Worker error codes (inference_worker.jobs) -> HTTP status. Anything unknown is a 500.
-# adapter_too_large is a 422, not a 5xx: the adapter's pages plus this request's KV blocks exceed the
-# worker's whole memory pool, so it can never run there and retrying the same request cannot help (a smaller
-# max_tokens or prompt, or an adapter of lower rank or fewer targets, can). Not 413: the body is not too large.
-WORKER_ERROR_STATUS = {
-    "adapter_load_failed": 502,
-    "adapter_integrity_error": 502,
-    "worker_lost": 502,
-    "base_mismatch": 502,
-    "prompt_too_long": 400,
-    "invalid_request": 400,
-    "adapter_too_large": 422,
-    # the request's own logits overflowed (its adapter's weights or scale): other requests were unaffected,
-    # retrying the same adapter cannot help; the adapter is the thing to fix
-    "non_finite_logits": 422,
-    "timeout": 504,
-    "cancelled": 504,
-    "engine_stopped": 503,
-}
-
-
-# What a client can change about a worker refusal, appended to the worker's own sentence.
+# What a client can change about a worker refusal, appended to the worker's own sentence. The codes and their
+# HTTP statuses are protocol.errors.ErrorCode.
 _WORKER_ERROR_HINTS = {
-    "non_finite_logits": "The adapter's weights, at its lora_alpha scale, overflow the serving dtype; upload a "
-                         "version with smaller weights or a smaller lora_alpha.",
-    "adapter_too_large": "This adapter cannot be served with this request on this base's workers: lower max_tokens "
-                         "or shorten the prompt, or use an adapter of lower rank or with fewer target modules.",
+    ErrorCode.NON_FINITE_LOGITS: "The adapter's weights, at its lora_alpha scale, overflow the serving dtype; upload a "
+                                 "version with smaller weights or a smaller lora_alpha.",
+    ErrorCode.ADAPTER_TOO_LARGE: "This adapter cannot be served with this request on this base's workers: lower "
+                                 "max_tokens or shorten the prompt, or use an adapter of lower rank or with fewer "
+                                 "target modules.",
 }
-_WORKER_ERROR_PARAM = {"prompt_too_long": "prompt", "adapter_too_large": "model", "non_finite_logits": "model"}
+_WORKER_ERROR_PARAM = {ErrorCode.PROMPT_TOO_LONG: "prompt", ErrorCode.ADAPTER_TOO_LARGE: "model",
+                       ErrorCode.NON_FINITE_LOGITS: "model"}
 
 
-def from_worker(code: str | None, message: str | None) -> ApiError:
-    code = code or "internal_error"
-    status = WORKER_ERROR_STATUS.get(code, 500)
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    text = message or code.replace("_", " ")
-    if code in _WORKER_ERROR_HINTS:
-        text = f"{text.rstrip('.')}. {_WORKER_ERROR_HINTS[code]}"
-    return ApiError(status, code, text, type=kind, param=_WORKER_ERROR_PARAM.get(code))
+def from_worker(code: ErrorCode | str | None, message: str | None) -> ApiError:
+    """The API's answer to a worker's error: the code's HTTP status, and its value as `error.code` (and so in
+    the audit row). A code this server does not know (a newer worker) is an internal_error naming it."""
+    known = ErrorCode.parse(code)
+    text = message or known.value.replace("_", " ")
+    if code and code != known:
+        text = f"{text.rstrip('.')} (worker error code {str(code)[:50]!r})"
+    if known in _WORKER_ERROR_HINTS:
+        text = f"{text.rstrip('.')}. {_WORKER_ERROR_HINTS[known]}"
+    kind = "invalid_request_error" if known.http_status < 500 else "server_error"
+    return ApiError(known.http_status, known.value, text, type=kind, param=_WORKER_ERROR_PARAM.get(known))
