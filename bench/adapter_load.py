@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from safetensors.torch import save_file  # noqa: E402
 
 from inference_worker.adapter_cache import LOADING, READY, AdapterCache, map_file  # noqa: E402
-from inference_worker.jobs import AdapterRef  # noqa: E402
+from protocol.jobs import AdapterRef  # noqa: E402
 from inference_worker.lora import TARGETS, LoraPool  # noqa: E402
 from inference_worker.memory_pool import PagePool  # noqa: E402
 from protocol.lora_layout import ModelShape  # noqa: E402

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from inference_worker.engine import Engine  # noqa: E402
-from inference_worker.jobs import GenerationJob  # noqa: E402
+from protocol.jobs import GenerationJob  # noqa: E402
 from inference_worker.model import ModelRunner  # noqa: E402
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Iterator, Protocol
 
-from inference_worker.jobs import GenerationJob
 from inference_worker.replies import ChannelUnavailable, ReplyTimeout, ensure_local_folders, reply_channel
+from protocol.jobs import GenerationJob
 
 log = logging.getLogger(__name__)
 

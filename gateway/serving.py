@@ -17,7 +17,7 @@ from django.db import DatabaseError, connection, transaction
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
 from adapters.models import AdapterVersion
-from inference_worker.jobs import AdapterRef, GenerationJob, GenerationResult
+from protocol.jobs import AdapterRef, GenerationJob, GenerationResult, JobMeta
 
 from . import audit, metrics
 from .auth import KeyRefused, authenticate
@@ -129,13 +129,10 @@ def build_job(draft: audit.AuditDraft, target: Target, params: GenerationParams)
 def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat: bool, request, slot) -> HttpResponse:
     timeout = request_timeout(request)
     job = build_job(draft, target, params)
-    meta = {
-        "stream": params.stream,
-        "deadline": time.time() + timeout,
-        "base_slug": target.base.slug,
-        "base_sha256": target.base.sha256,
-        "max_attempts": int(getattr(settings, "LORAFLEET_MAX_ATTEMPTS", 3)),
-    }
+    meta = JobMeta(
+        deadline=time.time() + timeout, stream=params.stream, base_slug=target.base.slug,
+        base_sha256=target.base.sha256, max_attempts=int(getattr(settings, "LORAFLEET_MAX_ATTEMPTS", 3)),
+    )
     dispatcher = get_dispatcher()
     # The job is published only once its pending audit row is committed: no answer without a record.
     # `durable=True` makes this block the outermost transaction (Django raises if anything wraps it;
@@ -144,7 +141,7 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
     with transaction.atomic(durable=True):
         audit.open_pending(draft)
     try:
-        dispatcher.publish(job, meta, queue=target.base.queue_name, expires_s=timeout)
+        dispatcher.publish(job, meta.to_dict(), queue=target.base.queue_name, expires_s=timeout)
     except QueueUnavailable as exc:
         err = queue_unavailable()
         audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=str(exc))

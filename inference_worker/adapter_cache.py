@@ -38,10 +38,11 @@ from typing import NoReturn
 
 import torch
 
+from protocol.errors import ErrorCode
+from protocol.jobs import AdapterRef
 from protocol.lora_layout import ModelShape, parse_peft_name
 from protocol.safetensors_check import SafetensorsError, read_layout  # Django-free, torch-free
 
-from .jobs import ADAPTER_INTEGRITY_ERROR, ADAPTER_LOAD_FAILED, AdapterRef
 from .lora import NoRoom
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -100,7 +101,7 @@ def tensors_from_buffer(buf) -> dict[str, torch.Tensor]:
 class AdapterLoadError(Exception):
     """A load that must fail the requests waiting for it, with a code the API reports as is."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: ErrorCode, message: str):
         super().__init__(message)
         self.code = code
         self.message = message
@@ -136,7 +137,7 @@ def check_adapter_weights(weights: dict[str, torch.Tensor], ref: AdapterRef, sha
     otherwise silently serve the base model). Raises AdapterLoadError naming the tensor and the reason."""
 
     def fail(msg: str) -> NoReturn:
-        raise AdapterLoadError(ADAPTER_LOAD_FAILED, f"adapter {ref.sha256[:12]}: {msg}")
+        raise AdapterLoadError(ErrorCode.ADAPTER_LOAD_FAILED, f"adapter {ref.sha256[:12]}: {msg}")
 
     if ref.rank < 1 or ref.rank > max_rank:
         fail(f"rank {ref.rank} is outside 1..{max_rank}")
@@ -171,7 +172,7 @@ NO_SLOT = NO_ROOM  # the name before the unified pool
 class Acquired:
     state: str
     slot: int = -1
-    error_code: str | None = None
+    error_code: ErrorCode | None = None
     error_message: str | None = None
 
 
@@ -353,7 +354,7 @@ class AdapterCache:
         try:
             blob = self.loader(ref.storage_key)
         except Exception as exc:  # storage errors of every kind fail the requests, not the worker
-            raise AdapterLoadError(ADAPTER_LOAD_FAILED, f"could not read {ref.storage_key!r}: {exc}") from exc
+            raise AdapterLoadError(ErrorCode.ADAPTER_LOAD_FAILED, f"could not read {ref.storage_key!r}: {exc}") from exc
         digest = self._hash_pool.submit(lambda: hashlib.sha256(blob).hexdigest())
         weights: dict[str, torch.Tensor] | None = None
         try:
@@ -363,11 +364,12 @@ class AdapterCache:
         actual = digest.result()
         if actual != ref.sha256.lower():
             raise AdapterLoadError(
-                ADAPTER_INTEGRITY_ERROR,
+                ErrorCode.ADAPTER_INTEGRITY_ERROR,
                 f"blob {ref.storage_key!r} has sha256 {actual[:12]}…, the adapter version expects {ref.sha256[:12]}…",
             )
         if weights is None:
-            raise AdapterLoadError(ADAPTER_LOAD_FAILED, f"blob {ref.storage_key!r} is not valid safetensors: {parse_error}")
+            raise AdapterLoadError(ErrorCode.ADAPTER_LOAD_FAILED,
+                                   f"blob {ref.storage_key!r} is not valid safetensors: {parse_error}")
         check_adapter_weights(weights, ref, self.shapes, self.max_rank)
         # Kept in the blob's dtype, as views of the blob: the pool copy converts as it copies, which
         # measured faster than converting here first (a bf16 -> fp32 copy reads half the bytes of fp32).
@@ -390,7 +392,7 @@ class AdapterCache:
                 self._evict_host()
             else:
                 if not isinstance(exc, AdapterLoadError):
-                    exc = AdapterLoadError(ADAPTER_LOAD_FAILED, f"loading {ref.storage_key!r} failed: {exc!r}")
+                    exc = AdapterLoadError(ErrorCode.ADAPTER_LOAD_FAILED, f"loading {ref.storage_key!r} failed: {exc!r}")
                 self.counters["load_failures"] += 1
                 for w in self._waiters.pop(key, ()):
                     self._failed[w] = exc

@@ -39,9 +39,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import jobs
+from protocol import jobs
+from protocol.jobs import GenerationJob, GenerationResult
+
 from .adapter_cache import FAILED, LOADING, NO_ROOM, AdapterCache
-from .jobs import GenerationJob, GenerationResult
 from .metrics import EngineMetrics
 from .model import SeqStep
 from .sampling import IncrementalText, NonFiniteLogits, RequestSampler, SamplingParams, sample_next_tokens

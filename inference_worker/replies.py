@@ -1,6 +1,6 @@
 """The reply channel between a worker and the web process waiting on one request.
 
-The Celery message carries the job (inference_worker.jobs); this module carries everything back, and
+The Celery message carries the job (protocol.jobs); this module carries everything back, and
 is the whole contract between gateway and worker besides the message itself. Events, in order:
 
     {"type": "delta", "text": "...", "worker_id": ..., "adapter_sha256": ...}   (streamed requests only)

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .jobs import GenerationJob
-
+from protocol.jobs import GenerationJob
 
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS). A tiny but positive temperature would
 # otherwise overflow logits / t to inf and the softmax to NaN; greedy is its limit anyway.

@@ -9,7 +9,7 @@ when this function returns):
 - A job whose caller has given up (deadline passed or cancelled) is answered without being run.
 - Whatever happens inside, exactly one `final` event is pushed: the web never waits for nothing.
 
-No database here: the message carries everything (jobs.GenerationJob and the `meta` dict).
+No database here: the message carries everything (protocol.jobs: the GenerationJob and its JobMeta).
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import time
 
 from celery import shared_task
 
-from .jobs import GenerationJob, GenerationResult
+from protocol.errors import ErrorCode
+from protocol.jobs import GenerationJob, GenerationResult, JobMeta
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +27,16 @@ CANCEL_CHECK_S = 0.5
 GRACE_S = 2.0
 
 
-def _error(job: GenerationJob, code: str, message: str) -> GenerationResult:
+def _error(job: GenerationJob, code: ErrorCode, message: str) -> GenerationResult:
     return GenerationResult(request_id=job.request_id, status="error", error_code=code, error_message=message)
 
 
 @shared_task(name="lorafleet.generate", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def generate(self, job_dict: dict, meta: dict) -> None:
+def generate(self, job_dict: dict, meta_dict: dict) -> None:
     from .replies import reply_channel
     from .worker import get_runtime
 
-    job = GenerationJob.from_dict(job_dict)
+    job, meta = GenerationJob.from_dict(job_dict), JobMeta.from_dict(meta_dict)
     channel = reply_channel()
     runtime = get_runtime()
     attempts = channel.count_attempt(job.request_id)
@@ -45,18 +46,18 @@ def generate(self, job_dict: dict, meta: dict) -> None:
         channel.push(job.request_id, {"type": "final", "result": result.to_dict(), "worker_id": runtime.worker_id,
                                       "attempts": attempts})
 
-    max_attempts = int(meta.get("max_attempts", 3))
+    max_attempts = meta.max_attempts
     if attempts > max_attempts:
         log.error("request %s: attempt %d > %d, not running it again", job.request_id, attempts, max_attempts)
-        return final(_error(job, "worker_lost", f"the request was attempted {attempts - 1} times and each time the "
+        return final(_error(job, ErrorCode.WORKER_LOST, f"the request was attempted {attempts - 1} times and each time the "
                                                 f"worker running it died; it will not be retried"), "worker_lost")
-    deadline = float(meta.get("deadline") or time.time() + 60)
+    deadline = meta.deadline or time.time() + 60
     if time.time() >= deadline or channel.is_cancelled(job.request_id):
-        return final(_error(job, "cancelled", "the caller stopped waiting before a worker started this job"),
+        return final(_error(job, ErrorCode.CANCELLED, "the caller stopped waiting before a worker started this job"),
                      "skipped")
-    if meta.get("base_sha256") and meta["base_sha256"] != runtime.base_sha256:
-        return final(_error(job, "base_mismatch", f"this worker serves base {runtime.base_slug} "
-                                                  f"({runtime.base_sha256[:12]}), not {meta['base_sha256'][:12]}"),
+    if meta.base_sha256 and meta.base_sha256 != runtime.base_sha256:
+        return final(_error(job, ErrorCode.BASE_MISMATCH, f"this worker serves base {runtime.base_slug} "
+                                                  f"({runtime.base_sha256[:12]}), not {meta.base_sha256[:12]}"),
                      "base_mismatch")
     if job.adapter is not None:
         runtime.adapter_names[job.adapter.identity] = job.adapter.name
@@ -64,15 +65,15 @@ def generate(self, job_dict: dict, meta: dict) -> None:
         result = _run(job, meta, runtime, channel, deadline)
     except Exception as exc:  # never leave the web waiting for nothing
         log.exception("request %s failed in the worker", job.request_id)
-        result = _error(job, "internal_error", f"the worker failed: {type(exc).__name__}")
+        result = _error(job, ErrorCode.INTERNAL_ERROR, f"the worker failed: {type(exc).__name__}")
     final(result, "ok" if result.ok else (result.error_code or "error"))
 
 
-def _run(job: GenerationJob, meta: dict, runtime, channel, deadline: float) -> GenerationResult:
+def _run(job: GenerationJob, meta: JobMeta, runtime, channel, deadline: float) -> GenerationResult:
     handle = runtime.engine.submit(job)
     timeout = max(0.1, deadline - time.time() + GRACE_S)
     try:
-        if meta.get("stream"):
+        if meta.stream:
             verified = job.adapter.sha256 if job.adapter is not None else None
             identity = job.adapter.identity if job.adapter is not None else None
             checked = time.monotonic()
@@ -87,4 +88,4 @@ def _run(job: GenerationJob, meta: dict, runtime, channel, deadline: float) -> G
         return handle.result(timeout=max(0.1, deadline - time.time() + GRACE_S))
     except TimeoutError:
         handle.cancel()
-        return _error(job, "timeout", "the worker could not finish this request before its deadline")
+        return _error(job, ErrorCode.TIMEOUT, "the worker could not finish this request before its deadline")

@@ -72,7 +72,7 @@ def body(step, args) -> None:
         make_peft_adapters,
     )
     from inference_worker.engine import Engine
-    from inference_worker.jobs import GenerationJob
+    from protocol.jobs import GenerationJob
     from inference_worker.model import ModelRunner, SeqStep
     from protocol.lora_layout import ModelShape
     from protocol.memory import adapter_pages

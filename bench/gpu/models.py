@@ -124,7 +124,7 @@ def make_peft_adapters(model, out_root, specs: list[dict], *, device: str):
 
 def adapter_ref(folder: Path, version_id: int, name: str):
     """(AdapterRef, blob bytes) for a PEFT adapter folder, as the gateway would describe its upload."""
-    from inference_worker.jobs import AdapterRef
+    from protocol.jobs import AdapterRef
 
     cfg = json.loads((folder / "adapter_config.json").read_text())
     blob = (folder / "adapter_model.safetensors").read_bytes()

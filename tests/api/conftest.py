@@ -13,7 +13,7 @@ from adapters.manifest import shape_manifest_from_checkpoint
 from adapters.models import BaseModel
 from demo.tiny_base import build_tiny_base
 from gateway import limits, queue
-from inference_worker.jobs import GenerationResult
+from protocol.jobs import GenerationResult
 from inference_worker.replies import ReplyTimeout
 
 

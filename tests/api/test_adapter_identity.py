@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gateway.models import AuditRecord
-from inference_worker.jobs import GenerationResult, adapter_identity
+from protocol.jobs import GenerationResult, adapter_identity
 
 pytestmark = pytest.mark.django_db
 

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.models import AuditRecord
 from gateway.responses import public_worker_id
-from inference_worker.jobs import ADAPTER_TOO_LARGE, GenerationResult
+from protocol.jobs import ADAPTER_TOO_LARGE, GenerationResult
 
 pytestmark = pytest.mark.django_db
 
@@ -67,7 +67,7 @@ def test_the_schema_and_the_docs_page_list_it(api, client):
 def test_non_finite_logits_is_a_422_about_the_adapter(api, post):
     """Issue 12: an adapter whose weights overflow at its scale fails only its own request, and the caller is
     told it is the adapter to fix (a 4xx), never a 5xx that invites a retry."""
-    from inference_worker.jobs import NON_FINITE_LOGITS
+    from protocol.jobs import NON_FINITE_LOGITS
 
     def refuse(job, meta):
         result = GenerationResult(request_id=job.request_id, status="error", error_code=NON_FINITE_LOGITS,

@@ -8,7 +8,7 @@ import pytest
 from gateway.models import AuditRecord
 from gateway.queue import QueueUnavailable
 from gateway.responses import public_worker_id
-from inference_worker.jobs import GenerationResult
+from protocol.jobs import GenerationResult
 
 pytestmark = pytest.mark.django_db
 

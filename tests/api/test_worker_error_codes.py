@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.models import AuditRecord
-from inference_worker.jobs import GenerationResult
 from protocol.errors import ErrorCode
+from protocol.jobs import GenerationResult, JobMeta
 
 pytestmark = pytest.mark.django_db
 
@@ -36,3 +36,14 @@ def test_an_unknown_worker_code_is_an_internal_error_that_names_it(api, post):
     error = r.json()["error"]
     assert (r.status_code, error["code"]) == (500, "internal_error") and "gpu_on_fire" in error["message"]
     assert AuditRecord.objects.get().error_code == "internal_error"
+
+
+def test_the_gateway_publishes_the_jobs_meta_as_protocol_builds_it(api, post, settings):
+    settings.LORAFLEET_MAX_ATTEMPTS = 2
+    post("/v1/completions", {"model": "support-bot", "prompt": "Hi", "max_tokens": 2, "stream": True},
+         key=api.acme_secret)
+    sent = api.dispatcher.published[0].meta
+    meta = JobMeta.from_dict(sent)
+    assert sent == meta.to_dict()  # exactly the fields JobMeta defines, nothing read with .get on the other side
+    assert (meta.stream, meta.base_slug, meta.base_sha256, meta.max_attempts) == (True, "tiny", api.base.sha256, 2)
+    assert meta.deadline is not None

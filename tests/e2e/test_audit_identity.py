@@ -6,7 +6,7 @@ import re
 
 import httpx
 
-from inference_worker.jobs import adapter_identity
+from protocol.jobs import adapter_identity
 
 
 def _row(db_rows, request_id: str) -> dict:

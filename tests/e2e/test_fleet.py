@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from inference_worker.jobs import AdapterRef, GenerationJob
+from protocol.jobs import AdapterRef, GenerationJob
 from tests.e2e.conftest import series_value
 
 PROMPTS = ["Once upon a time", "The little dog", "She said hello to", "In the morning the",

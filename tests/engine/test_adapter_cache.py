@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save
 
 from inference_worker.adapter_cache import FAILED, LOADING, NO_ROOM, READY, AdapterCache
-from inference_worker.jobs import AdapterRef
+from protocol.jobs import AdapterRef
 from inference_worker.lora import NoRoom
 
 HIDDEN, LAYERS = 32, 2

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import save
 
 from inference_worker.engine import Engine
-from inference_worker.jobs import AdapterRef, GenerationJob
+from protocol.jobs import AdapterRef, GenerationJob
 from inference_worker.model import ModelRunner
 from protocol.lora_layout import ATTENTION_MODULES
 

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from inference_worker.jobs import AdapterRef, GenerationJob, GenerationResult
+from protocol.jobs import AdapterRef, GenerationJob, GenerationResult
 from inference_worker.sampling import IncrementalText, RequestSampler, SamplingParams, sample_next_tokens
 
 

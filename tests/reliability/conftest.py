@@ -35,7 +35,7 @@ class RecordingDispatcher:
         self.published.append(SimpleNamespace(job=job, meta=meta, queue=queue, expires_s=expires_s))
 
     def events(self, request_id, deadline):
-        from inference_worker.jobs import GenerationResult
+        from protocol.jobs import GenerationResult
 
         sent = next(p for p in self.published if p.job.request_id == request_id)
         job = sent.job

@@ -61,7 +61,7 @@ def chat_prompt(tokenizer, question: str) -> str:
 
 def adapter_ref(version):
     """The worker's view of an AdapterVersion, as the gateway would put it in a job."""
-    from inference_worker.jobs import AdapterRef
+    from protocol.jobs import AdapterRef
 
     return AdapterRef(version_id=version.pk, sha256=version.sha256, storage_key=version.storage_key,
                       rank=version.rank, alpha=version.alpha, use_rslora=version.use_rslora,
@@ -83,7 +83,7 @@ def engine_answers(base_dir: Path, asks: dict[str, tuple[object, str]], *, max_t
     `asks` maps a label to (AdapterRef or None for the base, question or raw prompt)."""
     from adapters.storage import read_blob
     from inference_worker.engine import Engine
-    from inference_worker.jobs import GenerationJob
+    from protocol.jobs import GenerationJob
     from inference_worker.model import ModelRunner
 
     runner = ModelRunner(base_dir, memory_bytes=1 << 30, max_lora_rank=16)  # one pool: KV blocks + adapters

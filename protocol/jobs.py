@@ -1,30 +1,40 @@
 """What a worker is asked to do and what it answers: plain dataclasses that travel over Celery as JSON.
 
-The job carries everything the worker needs (DESIGN.md: the worker never touches the database on the
-hot path): which weights, by content hash and storage key, and the sampling parameters.
+The contract between the gateway and the worker, in one place: the gateway builds a GenerationJob and its
+JobMeta (gateway/serving.py) and reads the GenerationResult; the worker's task reads both (from_dict) and
+answers (inference_worker/tasks.py). The job carries everything the worker needs (DESIGN.md: the worker
+never touches the database on the hot path): which weights, by content hash and storage key, and the
+sampling parameters. Unknown keys are ignored when reading, so older workers accept newer messages.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from protocol.lora_layout import peft_scale
+from .errors import ErrorCode
+from .lora_layout import peft_scale
 
-# Error codes a GenerationResult may carry; the gateway maps them to HTTP answers.
-ADAPTER_INTEGRITY_ERROR = "adapter_integrity_error"  # blob's sha256 is not the one the job expects
-ADAPTER_LOAD_FAILED = "adapter_load_failed"  # storage read failed, or the blob is not a valid adapter
-PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens does not fit the model's context or the KV pool
-ADAPTER_TOO_LARGE = "adapter_too_large"  # the adapter's pages + the request's KV exceed the worker's pool
-NON_FINITE_LOGITS = "non_finite_logits"  # this request's logits overflowed (its adapter's weights or scale)
-INVALID_REQUEST = "invalid_request"  # parameters the engine cannot honour (empty prompt, bad values)
-CANCELLED = "cancelled"
-ENGINE_STOPPED = "engine_stopped"
-INTERNAL_ERROR = "internal_error"
+# The codes a GenerationResult may carry are ErrorCode's members (protocol/errors.py: each with its HTTP
+# status). The engine names them `jobs.<NAME>`; these are the same members, not strings of their own.
+ADAPTER_INTEGRITY_ERROR = ErrorCode.ADAPTER_INTEGRITY_ERROR
+ADAPTER_LOAD_FAILED = ErrorCode.ADAPTER_LOAD_FAILED
+PROMPT_TOO_LONG = ErrorCode.PROMPT_TOO_LONG
+ADAPTER_TOO_LARGE = ErrorCode.ADAPTER_TOO_LARGE
+NON_FINITE_LOGITS = ErrorCode.NON_FINITE_LOGITS
+INVALID_REQUEST = ErrorCode.INVALID_REQUEST
+CANCELLED = ErrorCode.CANCELLED
+ENGINE_STOPPED = ErrorCode.ENGINE_STOPPED
+INTERNAL_ERROR = ErrorCode.INTERNAL_ERROR
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+D = TypeVar("D", bound="DataclassInstance")
 
 
-def _from_dict(cls, d: dict[str, Any]):
+def _from_dict(cls: type[D], d: dict[str, Any]) -> D:
     """Build a dataclass from a dict, ignoring unknown keys so older workers accept newer messages."""
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
@@ -67,7 +77,7 @@ class AdapterRef:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "AdapterRef":
+    def from_dict(cls, d: dict[str, Any]) -> AdapterRef:
         ref = _from_dict(cls, d)
         ref.target_modules = list(ref.target_modules)
         return ref
@@ -95,7 +105,7 @@ class GenerationJob:
         return asdict(self)  # asdict recurses: the adapter becomes AdapterRef.to_dict()'s dict
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GenerationJob":
+    def from_dict(cls, d: dict[str, Any]) -> GenerationJob:
         job = _from_dict(cls, d)
         if isinstance(job.adapter, dict):
             job.adapter = AdapterRef.from_dict(job.adapter)
@@ -107,12 +117,36 @@ class GenerationJob:
 
 
 @dataclass
+class JobMeta:
+    """What travels beside the job: how its caller waits and what the worker checks before running it.
+
+    Built by the gateway (gateway/serving.py), read by the worker's task (inference_worker/tasks.py).
+    """
+
+    deadline: float | None = None  # time.time() after which the caller no longer waits; None: a minute from now
+    stream: bool = False  # push text deltas as they come, not only the final result
+    base_slug: str = ""  # the base the job was routed for (logs, errors)
+    base_sha256: str = ""  # a worker serving another checkpoint answers base_mismatch instead of running it
+    max_attempts: int = 3  # deliveries after which the job is answered worker_lost, not run again
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> JobMeta:
+        meta = _from_dict(cls, d or {})
+        meta.deadline = float(meta.deadline) if meta.deadline else None
+        meta.stream, meta.max_attempts = bool(meta.stream), int(meta.max_attempts)
+        return meta
+
+
+@dataclass
 class GenerationResult:
     """The answer to one job: tokens and text, or an error code, plus what auditing needs."""
 
     request_id: str
     status: str  # "ok" | "error"
-    error_code: str | None = None
+    error_code: ErrorCode | None = None  # travels as the enum's value (a string); see __post_init__
     error_message: str | None = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -125,6 +159,15 @@ class GenerationResult:
     first_token_s: float | None = None  # submit -> first generated token
     total_s: float = 0.0  # submit -> done
 
+    def __post_init__(self) -> None:
+        # A code given or read as a string becomes its ErrorCode; one this side does not know (a newer
+        # worker) is an internal_error whose message keeps the code it arrived with.
+        if self.error_code is not None and not isinstance(self.error_code, ErrorCode):
+            known = ErrorCode.parse(self.error_code)
+            if known.value != self.error_code:
+                self.error_message = f"{self.error_message or 'error'} (worker error code {str(self.error_code)[:50]!r})"
+            self.error_code = known
+
     @property
     def ok(self) -> bool:
         return self.status == "ok"
@@ -133,7 +176,7 @@ class GenerationResult:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GenerationResult":
+    def from_dict(cls, d: dict[str, Any]) -> GenerationResult:
         res = _from_dict(cls, d)
         res.token_ids = list(res.token_ids)
         return res
