@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from safetensors.torch import save_file  # noqa: E402
 
 from inference_worker.adapter_cache import LOADING, READY, AdapterCache, map_file  # noqa: E402
-from protocol.jobs import AdapterRef  # noqa: E402
 from inference_worker.lora import TARGETS, LoraPool  # noqa: E402
 from inference_worker.memory_pool import PagePool  # noqa: E402
+from protocol.jobs import AdapterRef  # noqa: E402
 from protocol.lora_layout import ModelShape  # noqa: E402
 from protocol.memory import adapter_pages, page_elements  # noqa: E402
 

@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from demo.tiny_base import build_tiny_base  # noqa: E402
 from inference_worker.engine import Engine  # noqa: E402
-from protocol.jobs import AdapterRef, GenerationJob  # noqa: E402
 from inference_worker.model import ModelRunner  # noqa: E402
+from protocol.jobs import AdapterRef, GenerationJob  # noqa: E402
 from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS  # noqa: E402
 from tests.support.peft_factory import make_random_peft_adapter  # noqa: E402
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from inference_worker.engine import Engine  # noqa: E402
-from protocol.jobs import GenerationJob  # noqa: E402
 from inference_worker.model import ModelRunner  # noqa: E402
+from protocol.jobs import GenerationJob  # noqa: E402
 
 
 def run(base: Path, *, flood: int, small: int, fair: bool, with_flood: bool, long_prompt: int = 400,

@@ -50,8 +50,8 @@ from safetensors.torch import save  # noqa: E402
 
 from demo.tiny_base import build_tiny_base  # noqa: E402
 from inference_worker.engine import Engine  # noqa: E402
-from protocol.jobs import AdapterRef, GenerationJob  # noqa: E402
 from inference_worker.model import ModelRunner  # noqa: E402
+from protocol.jobs import AdapterRef, GenerationJob  # noqa: E402
 from protocol.lora_layout import ATTENTION_MODULES, TARGET_MODULES, ModelShape  # noqa: E402
 from protocol.memory import split_budget, workspace_bytes  # noqa: E402
 

@@ -71,9 +71,10 @@ def body(step, args) -> None:
         load_into_runner,
         make_peft_adapters,
     )
+
     from inference_worker.engine import Engine
-    from protocol.jobs import GenerationJob
     from inference_worker.model import ModelRunner, SeqStep
+    from protocol.jobs import GenerationJob
     from protocol.lora_layout import ModelShape
     from protocol.memory import adapter_pages
 

@@ -13,8 +13,8 @@ from adapters.manifest import shape_manifest_from_checkpoint
 from adapters.models import BaseModel
 from demo.tiny_base import build_tiny_base
 from gateway import limits, queue
-from protocol.jobs import GenerationResult
 from inference_worker.replies import ReplyTimeout
+from protocol.jobs import GenerationResult
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save
 
 from inference_worker.adapter_cache import FAILED, LOADING, NO_ROOM, READY, AdapterCache
-from protocol.jobs import AdapterRef
 from inference_worker.lora import NoRoom
+from protocol.jobs import AdapterRef
 
 HIDDEN, LAYERS = 32, 2
 CONFIG = SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from inference_worker.engine import Engine
-from protocol.jobs import AdapterRef, GenerationJob
 from inference_worker.model import ModelRunner
+from protocol.jobs import AdapterRef, GenerationJob
 from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
 from tests.support.peft_factory import make_random_peft_adapter
 

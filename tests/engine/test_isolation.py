@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import save
 
 from inference_worker.engine import Engine
-from protocol.jobs import AdapterRef, GenerationJob
 from inference_worker.model import ModelRunner
+from protocol.jobs import AdapterRef, GenerationJob
 from protocol.lora_layout import ATTENTION_MODULES
 
 PROMPT = [17, 120, 45, 301, 9, 77, 250, 13]

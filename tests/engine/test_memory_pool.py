@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save
 
 from inference_worker.engine import Engine
-from protocol.jobs import AdapterRef, GenerationJob
 from inference_worker.model import ModelRunner
+from protocol.jobs import AdapterRef, GenerationJob
 from protocol.lora_layout import ATTENTION_MODULES, TARGET_MODULES, ModelShape
 from protocol.memory import adapter_pages
 from tests.support.peft_factory import make_random_peft_adapter

@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from protocol.jobs import AdapterRef, GenerationJob, GenerationResult
 from inference_worker.sampling import IncrementalText, RequestSampler, SamplingParams, sample_next_tokens
+from protocol.jobs import AdapterRef, GenerationJob, GenerationResult
 
 
 class ByteTokenizer:

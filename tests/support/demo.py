@@ -83,8 +83,8 @@ def engine_answers(base_dir: Path, asks: dict[str, tuple[object, str]], *, max_t
     `asks` maps a label to (AdapterRef or None for the base, question or raw prompt)."""
     from adapters.storage import read_blob
     from inference_worker.engine import Engine
-    from protocol.jobs import GenerationJob
     from inference_worker.model import ModelRunner
+    from protocol.jobs import GenerationJob
 
     runner = ModelRunner(base_dir, memory_bytes=1 << 30, max_lora_rank=16)  # one pool: KV blocks + adapters
     jobs = {label: GenerationJob(request_id=uuid.uuid4().hex, adapter=ref, max_tokens=max_tokens, temperature=0.0,
