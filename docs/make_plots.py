@@ -36,7 +36,7 @@ def tables(md: str) -> list[list[dict]]:
             header = [c.strip() for c in lines[i].strip("|").split("|")]
             rows, i = [], i + 2
             while i < len(lines) and lines[i].startswith("|"):
-                rows.append(dict(zip(header, [c.strip() for c in lines[i].strip("|").split("|")])))
+                rows.append(dict(zip(header, [c.strip() for c in lines[i].strip("|").split("|")], strict=False)))
                 i += 1
             found.append(rows)
         else:

@@ -75,15 +75,15 @@ INVITATION_LIFETIME = dt.timedelta(days=7)
 class InvitationQuerySet(TenantScopedQuerySet):
     tenant_path = "tenant"
 
-    def open(self) -> "InvitationQuerySet":
+    def open(self) -> InvitationQuerySet:
         """Neither accepted, declined nor revoked (expired ones included: an owner may still revoke them)."""
         return self.filter(accepted_at__isnull=True, declined_at__isnull=True, revoked_at__isnull=True)
 
-    def pending(self, now: dt.datetime | None = None) -> "InvitationQuerySet":
+    def pending(self, now: dt.datetime | None = None) -> InvitationQuerySet:
         """Open and not expired: the ones that can still be accepted."""
         return self.open().filter(expires_at__gt=now or timezone.now())
 
-    def addressed_to(self, user) -> "InvitationQuerySet":
+    def addressed_to(self, user) -> InvitationQuerySet:
         """Invitations whose typed name is this user's username (exactly) or e-mail (any case).
 
         This is the only way an invitation reaches an account: nothing about the account is looked up

@@ -71,7 +71,6 @@ def body(step, args) -> None:
         load_into_runner,
         make_peft_adapters,
     )
-
     from inference_worker.engine import Engine
     from inference_worker.model import ModelRunner, SeqStep
     from protocol.jobs import GenerationJob
