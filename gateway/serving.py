@@ -17,6 +17,7 @@ from django.db import DatabaseError, connection, transaction
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
 from adapters.models import AdapterVersion
+from protocol.errors import ErrorCode
 from protocol.jobs import AdapterRef, GenerationJob, GenerationResult, JobMeta
 
 from . import audit, metrics
@@ -198,14 +199,14 @@ def _result_error(target: Target, result: GenerationResult) -> ApiError | None:
         return None
     if result.adapter_sha256 != target.version.sha256:
         # The worker must only ever serve the exact weights asked for; never pass off others as them.
-        return from_worker("adapter_integrity_error",
+        return from_worker(ErrorCode.ADAPTER_INTEGRITY_ERROR,
                            f"the worker served weights {result.adapter_sha256!r}, not the version's {target.version.sha256}")
     expected = adapter_ref(target.adapter.name, target.version).identity
     if result.adapter_identity != expected:
         # The same bytes under another rank, alpha, rsLoRA or targets is another adapter (another scale);
         # an answer that does not name the version's identity is not proof it served this version.
-        return from_worker("adapter_integrity_error", f"the worker served adapter identity "
-                                                      f"{result.adapter_identity!r}, not the version's {expected}")
+        return from_worker(ErrorCode.ADAPTER_INTEGRITY_ERROR, f"the worker served adapter identity "
+                                                              f"{result.adapter_identity!r}, not the version's {expected}")
     return None
 
 
