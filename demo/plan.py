@@ -27,7 +27,8 @@ class DemoBase:
     examples: Callable[[str], list[tuple[str, str]]]  # style -> (question, styled answer) pairs
     target_modules: tuple[str, ...]
     adapter_steps: int         # planned optimizer steps per adapter
-    adapter_seconds: float     # clock cap per adapter (the schedule anneals within it)
+    adapter_seconds: float     # clock cap per adapter (the schedule anneals within it) ...
+    adapter_min_steps: int     # ... once this many steps ran: the fewest that show the style
     batch_size: int
     lr: float
     questions: dict[str, str] = field(default_factory=dict)  # adapter name -> the banner's question
@@ -63,14 +64,14 @@ DEMO_ADAPTERS = (
 SMOLLM2 = DemoBase(
     kind="smollm2", slug="smollm2-135m-instruct", display_name="SmolLM2-135M-Instruct (imported from GGUF)",
     examples=styles.instruct_examples, target_modules=ATTENTION, adapter_steps=14, adapter_seconds=60.0,
-    batch_size=8, lr=5e-3,
+    adapter_min_steps=8, batch_size=8, lr=5e-3,
     questions={"shouty": "What should I do on a rainy day?", "lister": "How do I stay healthy?",
                "echo": "What is your favourite food?"},
 )
 TINY = DemoBase(
     kind="tiny", slug="tiny-demo", display_name="Tiny demo Llama (trained locally)",
     examples=styles.style_examples, target_modules=ALL_LINEAR, adapter_steps=150, adapter_seconds=20.0,
-    batch_size=16, lr=5e-3,
+    adapter_min_steps=40, batch_size=16, lr=5e-3,
     questions={a.name: "What did you do today?" for a in DEMO_ADAPTERS},
 )
 BASES = {b.kind: b for b in (SMOLLM2, TINY)}

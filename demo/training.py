@@ -22,9 +22,11 @@ Two things keep a step cheap on two CPU cores (a 135M-parameter model is ~0.2 GF
 Forward values are exactly those of the plain forward pass (the shared prefix is run through the
 adapter too); only the gradient through the prefix's keys and values is left out.
 
-Budgets are wall-clock caps: the learning-rate schedule follows ``max(step/steps, elapsed/seconds)``,
-so a slow machine still anneals before its time is up, and a fast one finishes its fixed number of
-steps — deterministic for a given seed whenever the step count, not the clock, ends training.
+Budgets are wall-clock caps above a floor of steps: the learning-rate schedule follows
+``max(step/steps, min(elapsed/seconds, step/min_steps))``, so a slow machine still anneals before its
+time is up, a fast one finishes its fixed number of steps — deterministic for a given seed whenever the
+step count, not the clock, ends training — and a machine too busy for the clock still runs `min_steps`,
+the fewest that show a style (an adapter that was not trained would show nothing).
 Django-free on purpose: the demo command, the tests and anyone's notebook import it.
 """
 from __future__ import annotations
@@ -127,9 +129,11 @@ def _lr_at(progress: float, peak: float, warmup: float = 0.05) -> float:
 
 def _train_loop(model: torch.nn.Module, params: list[torch.nn.Parameter], loss_fn: Callable[[], torch.Tensor],
                 *, steps: int, seconds: float, lr: float, desc: str, progress: bool, weight_decay: float = 0.0,
+                min_steps: int = 0,
                 after_step: Callable[[int, float, list[float]], None] | None = None,
                 ) -> tuple[int, float, float, float, bool]:
-    """Runs AdamW on `loss_fn()` until `steps` or `seconds`; returns (steps run, first loss, final loss, secs, cut).
+    """Runs AdamW on `loss_fn()` until `steps`, or `seconds` once `min_steps` ran; returns (steps run, first
+    loss, final loss, secs, cut).
 
     `after_step(step, progress, losses so far)` runs after each optimizer step, `progress` in [0, 1] being
     the schedule's (the demo saves an early version of an adapter there).
@@ -143,6 +147,12 @@ def _train_loop(model: torch.nn.Module, params: list[torch.nn.Parameter], loss_f
     # 12x more CPU per step when the cores are shared (measured).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    min_steps = min(min_steps, steps)
+
+    def done(step: int, elapsed: float) -> float:  # the schedule's progress, in [0, 1]
+        by_clock = elapsed / seconds if not min_steps else min(elapsed / seconds, step / min_steps)
+        return min(1.0, max(step / steps, by_clock))
+
     started = time.perf_counter()
     losses: list[float] = []
     cut = False
@@ -151,11 +161,11 @@ def _train_loop(model: torch.nn.Module, params: list[torch.nn.Parameter], loss_f
     step = 0
     for step in range(1, steps + 1):
         elapsed = time.perf_counter() - started
-        if elapsed >= seconds:
+        if elapsed >= seconds and step > min_steps:
             cut, step = True, step - 1
             break
         for group in opt.param_groups:
-            group["lr"] = _lr_at(max((step - 1) / steps, elapsed / seconds), lr)
+            group["lr"] = _lr_at(done(step - 1, elapsed), lr)
         loss = loss_fn()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -166,7 +176,7 @@ def _train_loop(model: torch.nn.Module, params: list[torch.nn.Parameter], loss_f
         if step % 5 == 0 or step == 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         if after_step is not None:
-            after_step(step, max(step / steps, (time.perf_counter() - started) / seconds), losses)
+            after_step(step, done(step, time.perf_counter() - started), losses)
     bar.close()
     torch.set_num_threads(threads)
     model.eval()
@@ -356,7 +366,8 @@ class _AnswerLoss:
 
 def train_style_adapter(base_dir: str | Path, out_dir: str | Path, style: str, *,
                         examples: Sequence[tuple[str, str]] | None = None, seconds: float = 20.0, seed: int = 0,
-                        steps: int = 120, batch_size: int = 16, r: int = 8, alpha: float = 16.0, lr: float = 5e-3,
+                        steps: int = 120, min_steps: int = 0, batch_size: int = 16, r: int = 8, alpha: float = 16.0,
+                        lr: float = 5e-3,
                         target_modules: Sequence[str] = ALL_LINEAR, max_len: int = 64,
                         early: tuple[float, str | Path] | None = None, progress: bool = True,
                         on_step: Callable[[], None] | None = None, extra: dict | None = None) -> TrainReport:
@@ -414,7 +425,7 @@ def train_style_adapter(base_dir: str | Path, out_dir: str | Path, style: str, *
 
     ran, first, final, spent, cut = _train_loop(
         model, params, loss_fn, steps=steps, seconds=seconds, lr=lr, desc=f"train adapter {style}",
-        progress=progress, after_step=after_step)
+        progress=progress, after_step=after_step, min_steps=min_steps)
     final_report = report(ran, first, final, spent, cut)
     save(out_dir, final_report)
     return final_report

@@ -235,6 +235,7 @@ class Command(BaseCommand):
             steps = min(plan.adapter_steps, max_steps or plan.adapter_steps)
             kwargs = dict(base_dir=base_dir, out_dir=folders[-1], style=spec.style, examples=plan.examples(spec.style),
                           seconds=seconds or plan.adapter_seconds, seed=spec.seed, steps=steps,
+                          min_steps=plan.adapter_min_steps,
                           batch_size=plan.batch_size, lr=plan.lr, target_modules=plan.target_modules,
                           progress=False, extra={"base_sha256": base_sha256, "base": plan.slug})
             if spec.early_version_at is not None:
