@@ -31,10 +31,12 @@ class AuditDraft:
     target: object = None  # gateway.binding.Target
     refused_adapter: object = None  # the caller's adapter when binding refused it (deleted, not ready)
     prompt_text: str | None = None
+    n: int | None = None  # choices asked for, once the body is parsed
     record_id: int | None = None
 
     def identity(self) -> dict:
-        row = {"request_id": self.request_id, "route": self.route, "tenant": self.tenant, "key_prefix": self.key_prefix}
+        row = {"request_id": self.request_id, "route": self.route, "tenant": self.tenant, "key_prefix": self.key_prefix,
+               "n": self.n}
         target = self.target
         if target is not None:
             row.update(base_model=target.base, base_slug=target.base.slug, base_sha256=target.base.sha256)
@@ -67,6 +69,7 @@ def record_refusal(draft: AuditDraft, *, http_status: int, error_code: str, erro
         error_message=error_message[:500],
         finished_at=timezone.now(),
         total_seconds=draft.elapsed(),
+        logprobs_returned=False,
     )
 
 
@@ -77,9 +80,11 @@ def open_pending(draft: AuditDraft) -> AuditRecord:
 
 
 def finalise(draft: AuditDraft, *, ok: bool, http_status: int, error_code: str = "", error_message: str = "",
-             result=None, worker_id: str = "", attempts: int | None = None) -> bool:
-    """Finalise the pending row once; returns False if it was already final (nothing is changed)."""
+             result=None, worker_id: str = "", attempts: int | None = None, logprobs_returned: bool = False) -> bool:
+    """Finalise the pending row once; returns False if it was already final (nothing is changed).
+    `logprobs_returned`: the caller got logprobs (all of them, or in a stream that broke, some)."""
     fields = {
+        "logprobs_returned": bool(logprobs_returned),
         "status": AuditStatus.OK if ok else AuditStatus.ERROR,
         "http_status": http_status,
         "error_code": (error_code or "")[:50],

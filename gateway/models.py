@@ -62,7 +62,7 @@ class AuditRecord(models.Model):
     weights_sha256 = models.CharField(
         max_length=64, blank=True, help_text="sha256 of the weights the worker actually loaded and verified."
     )
-    adapter_identity = models.CharField(
+    adapter_identity = models.CharField(  # noqa: DJ001 - NULL until the worker's result sets it, once (trigger, 0004)
         max_length=64, null=True, blank=True,
         help_text="What the worker served: sha256 over the weights' sha256, rank, alpha, rsLoRA and target "
                   "modules (inference_worker.jobs.adapter_identity). Empty for base-model requests and refusals.",
@@ -79,8 +79,12 @@ class AuditRecord(models.Model):
     finish_reason = models.CharField(max_length=20, blank=True)
     attempts = models.PositiveSmallIntegerField(default=0)
 
+    n = models.PositiveSmallIntegerField(
+        null=True, blank=True, help_text="Choices asked for (OpenAI's n); empty when the body was never parsed.")
+    logprobs_returned = models.BooleanField(
+        null=True, blank=True, help_text="Whether the caller got logprobs; set once, when the record is final.")
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
-    completion_tokens = models.PositiveIntegerField(null=True, blank=True)
+    completion_tokens = models.PositiveIntegerField(null=True, blank=True, help_text="Tokens of every choice.")
     queue_seconds = models.FloatField(null=True, blank=True)
     first_token_seconds = models.FloatField(null=True, blank=True)
     total_seconds = models.FloatField(null=True, blank=True)
@@ -102,10 +106,6 @@ class AuditRecord(models.Model):
     def __str__(self) -> str:
         return f"{self.request_id} {self.status}"
 
-    @property
-    def is_final(self) -> bool:
-        return self.status != AuditStatus.PENDING
-
     def save(self, *args, **kwargs):
         # Text here may echo what a caller sent (a field name in an error message): PostgreSQL text
         # cannot hold NUL, and a refusal must never turn into a 500 because its audit row failed.
@@ -121,6 +121,10 @@ class AuditRecord(models.Model):
 
     def delete(self, *args, **kwargs):
         raise AppendOnlyError("Audit records are append-only; they cannot be deleted.")
+
+    @property
+    def is_final(self) -> bool:
+        return self.status != AuditStatus.PENDING
 
 
 class ApiKey(models.Model):

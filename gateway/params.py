@@ -1,7 +1,7 @@
 """The body of a completion request, checked field by field: every refusal names the field.
 
 Unknown fields are refused (a typo such as `max_token` must not silently use the default), and
-OpenAI parameters we accept but cannot honour (n > 1, logprobs, penalties...) are refused by name
+OpenAI parameters we accept but cannot honour (`suffix`, `best_of` other than n) are refused by name
 rather than ignored.
 """
 from __future__ import annotations
@@ -18,12 +18,17 @@ from .errors import invalid, request_too_large
 COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-    "top_k", "ignore_eos",  # lorafleet extensions (vLLM's names)
+    # lorafleet extensions (vLLM's names)
+    "top_k", "ignore_eos", "repetition_penalty", "return_tokens_as_token_ids",
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
 MAX_STOP = 4
+MAX_N = 8
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs` (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # /v1/chat/completions `top_logprobs`
+MAX_LOGIT_BIAS = 300
 
 
 @dataclass
@@ -38,6 +43,14 @@ class GenerationParams:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    n: int = 1
+    logprobs: int | None = None  # None: no logprobs; k: each token's logprob and its k most likely rivals
+    echo: bool = False  # completions: the prompt precedes each choice's text (and its logprobs, if asked)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     prompt: str | None = None  # completions
     prompt_token_ids: list[int] | None = None  # completions given token ids
     messages: list[dict[str, str]] = field(default_factory=list)  # chat
@@ -74,9 +87,26 @@ def _encodable(value: str, param: str) -> str:
 
 def parse_completion(body: dict[str, Any]) -> GenerationParams:
     _refuse_unknown(body, COMPLETION_FIELDS)
-    for name, default in (("suffix", None), ("echo", False), ("best_of", 1)):
-        _must_be_default(body, name, default)
+    if body.get("suffix") not in (None, ""):
+        raise invalid("suffix is not supported by this server (no fill-in-the-middle).", param="suffix",
+                      code="unsupported_parameter")
     params = _common(body, max_tokens_field="max_tokens")
+    best_of = body.get("best_of")
+    if best_of is not None:
+        if not _is_int(best_of) or best_of < 1:
+            raise invalid(f"best_of must be a positive integer; got {best_of!r}.", param="best_of")
+        if best_of != params.n:
+            raise invalid(f"best_of={best_of} is not supported: this server does not generate extra candidates "
+                          f"to rank server-side. Ask for n={best_of} choices with logprobs and rank them yourself, "
+                          f"or leave best_of unset (or equal to n).", param="best_of", code="unsupported_parameter")
+    params.echo = _bool(body, "echo")
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if not _is_int(logprobs) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise invalid(f"logprobs must be an integer from 0 to {MAX_COMPLETION_LOGPROBS} on /v1/completions "
+                          f"(the number of most likely tokens returned beside each chosen one); got {logprobs!r}.",
+                          param="logprobs")
+        params.logprobs = logprobs
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -96,11 +126,20 @@ def parse_completion(body: dict[str, Any]) -> GenerationParams:
 
 def parse_chat(body: dict[str, Any]) -> GenerationParams:
     _refuse_unknown(body, CHAT_FIELDS)
-    _must_be_default(body, "top_logprobs", None)
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is not None:
         raise invalid("Send max_completion_tokens or max_tokens, not both.", param="max_completion_tokens")
     which = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     params = _common(body, max_tokens_field=which)
+    wants = _bool(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise invalid(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}; got {top!r}.",
+                          param="top_logprobs")
+        if not wants:
+            raise invalid("top_logprobs needs logprobs: true.", param="top_logprobs")
+    if wants:
+        params.logprobs = top or 0
     messages = body.get("messages")
     if messages is None:
         raise invalid("messages is required.", param="messages", code="missing_parameter")
@@ -129,9 +168,6 @@ def _common(body: dict[str, Any], *, max_tokens_field: str) -> GenerationParams:
     if not isinstance(model, str) or not model.strip():
         raise invalid("model is required: the name of one of your adapters (`name` or `name@version`).",
                       param="model", code="missing_parameter")
-    for name, default in (("n", 1), ("logprobs", None), ("presence_penalty", 0), ("frequency_penalty", 0),
-                          ("logit_bias", None)):
-        _must_be_default(body, name, default)
     cap = settings.LORAFLEET_MAX_TOKENS_CAP
     max_tokens = _int(body, max_tokens_field, default=16, lo=1, hi=cap,
                       why=f"at least 1 and at most {cap} (this server's cap)")
@@ -152,11 +188,38 @@ def _common(body: dict[str, Any], *, max_tokens_field: str) -> GenerationParams:
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise invalid("stream_options may only hold include_usage.", param="stream_options")
         include_usage = bool(options.get("include_usage", False))
+    repetition_penalty = _number(body, "repetition_penalty", default=1.0, lo=0.0, hi=2.0)
+    if repetition_penalty <= 0.0:
+        raise invalid("repetition_penalty must be greater than 0 and at most 2 (1 = off).", param="repetition_penalty")
     return GenerationParams(
         model=model.strip(), max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         seed=seed, stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
         ignore_eos=_bool(body, "ignore_eos"),
+        n=_int(body, "n", default=1, lo=1, hi=MAX_N, why=f"from 1 to {MAX_N}"),
+        presence_penalty=_number(body, "presence_penalty", default=0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=_number(body, "frequency_penalty", default=0.0, lo=-2.0, hi=2.0),
+        repetition_penalty=repetition_penalty,
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),
     )
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's shape: {"<token id>": bias from -100 to 100}; JSON keys are strings."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids to biases.",
+                      param="logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = str(key).strip()
+        if not token.isdigit() or isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:
+            raise invalid(f"logit_bias maps token ids (as strings) to numbers from -100 to 100; got "
+                          f"{key!r}: {bias!r}.", param="logit_bias")
+        out[int(token)] = float(bias)
+    return out
 
 
 def _refuse_unknown(body: dict[str, Any], known: set[str]) -> None:
@@ -164,13 +227,6 @@ def _refuse_unknown(body: dict[str, Any], known: set[str]) -> None:
     if unknown:
         raise invalid(f"Unrecognized request argument supplied: {', '.join(unknown)}.", param=unknown[0],
                       code="unknown_parameter")
-
-
-def _must_be_default(body: dict[str, Any], name: str, default: Any) -> None:
-    value = body.get(name)
-    if value is None or value == default or (default is None and value in (False, {}, 0)):
-        return
-    raise invalid(f"{name}={value!r} is not supported by this server.", param=name, code="unsupported_parameter")
 
 
 def _is_int(value: Any) -> bool:

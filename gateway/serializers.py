@@ -17,12 +17,27 @@ class _Common(serializers.Serializer):
     stream = serializers.BooleanField(required=False, default=False)
     stream_options = serializers.JSONField(required=False, help_text='{"include_usage": true}')
     ignore_eos = serializers.BooleanField(required=False, default=False)
-    n = serializers.IntegerField(required=False, min_value=1, max_value=1)
+    n = serializers.IntegerField(required=False, min_value=1, max_value=8, default=1,
+                                 help_text="Choices; the prompt is prefilled once for all of them.")
+    presence_penalty = serializers.FloatField(required=False, min_value=-2, max_value=2, default=0.0)
+    frequency_penalty = serializers.FloatField(required=False, min_value=-2, max_value=2, default=0.0)
+    repetition_penalty = serializers.FloatField(required=False, min_value=0, max_value=2, default=1.0,
+                                                help_text="lorafleet extension (vLLM's); 1 = off.")
+    logit_bias = serializers.DictField(child=serializers.FloatField(min_value=-100, max_value=100), required=False,
+                                       help_text='{"<token id>": bias}')
+    return_tokens_as_token_ids = serializers.BooleanField(
+        required=False, default=False, help_text='lorafleet extension (vLLM\'s): logprob tokens as "token_id:<id>".')
     user = serializers.CharField(required=False)
 
 
 class CompletionRequest(_Common):
     prompt = serializers.JSONField(help_text="A string, a list of one string, or a list of token ids.")
+    logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=5,
+                                        help_text="Alternatives per token; the log-softmax of the model's logits "
+                                                  "before any sampling parameter.")
+    echo = serializers.BooleanField(required=False, default=False)
+    best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1,
+                                       help_text="Only equal to n: server-side ranking is not built.")
 
 
 class ChatMessage(serializers.Serializer):
@@ -33,6 +48,9 @@ class ChatMessage(serializers.Serializer):
 class ChatRequest(_Common):
     messages = ChatMessage(many=True)
     max_completion_tokens = serializers.IntegerField(required=False, min_value=1)
+    logprobs = serializers.BooleanField(required=False, default=False)
+    top_logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=20,
+                                            help_text="Needs logprobs: true.")
 
 
 class Lorafleet(serializers.Serializer):
@@ -47,15 +65,22 @@ class Lorafleet(serializers.Serializer):
 
 class Usage(serializers.Serializer):
     prompt_tokens = serializers.IntegerField()
-    completion_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField(help_text="Tokens of every choice.")
     total_tokens = serializers.IntegerField()
+
+
+class CompletionLogprobs(serializers.Serializer):
+    tokens = serializers.ListField(child=serializers.CharField(allow_blank=True))
+    token_logprobs = serializers.ListField(child=serializers.FloatField(allow_null=True))
+    top_logprobs = serializers.ListField(child=serializers.DictField(child=serializers.FloatField(), allow_null=True))
+    text_offset = serializers.ListField(child=serializers.IntegerField())
 
 
 class CompletionChoice(serializers.Serializer):
     index = serializers.IntegerField()
     text = serializers.CharField(allow_blank=True)
     finish_reason = serializers.CharField(allow_null=True)
-    logprobs = serializers.JSONField(allow_null=True)
+    logprobs = CompletionLogprobs(allow_null=True)
 
 
 class CompletionResponse(serializers.Serializer):
@@ -73,11 +98,26 @@ class AssistantMessage(serializers.Serializer):
     content = serializers.CharField(allow_blank=True)
 
 
+class TopLogprob(serializers.Serializer):
+    token = serializers.CharField(allow_blank=True)
+    logprob = serializers.FloatField()
+    bytes = serializers.ListField(child=serializers.IntegerField(), allow_null=True)
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs = TopLogprob(many=True)
+
+
+class ChatLogprobs(serializers.Serializer):
+    content = TokenLogprob(many=True, allow_null=True)
+    refusal = TokenLogprob(many=True, allow_null=True)
+
+
 class ChatChoice(serializers.Serializer):
     index = serializers.IntegerField()
     message = AssistantMessage()
     finish_reason = serializers.CharField(allow_null=True)
-    logprobs = serializers.JSONField(allow_null=True)
+    logprobs = ChatLogprobs(allow_null=True)
 
 
 class ChatResponse(CompletionResponse):

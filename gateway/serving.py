@@ -23,12 +23,12 @@ from protocol.jobs import AdapterRef, GenerationJob, GenerationResult, JobMeta
 from . import audit, metrics
 from .auth import KeyRefused, authenticate
 from .binding import Target, resolve_target
-from .errors import ApiError, database_unavailable, from_worker, internal_error, queue_unavailable, timed_out
+from .errors import ApiError, database_unavailable, from_worker, internal_error, invalid, queue_unavailable, timed_out
 from .limits import TenantSlot
 from .params import GenerationParams, parse_chat, parse_completion, parse_json_body, read_body
-from .prompts import chat_prompt, count_and_check
+from .prompts import chat_prompt, count_and_check, tokenizer_for
 from .queue import QueueUnavailable, ReplyTimeout, get_dispatcher
-from .responses import Shapes, metadata, metadata_headers, sse
+from .responses import Shapes, TokenText, metadata, metadata_headers, sse
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ def serve(request, *, route: str, chat: bool) -> HttpResponse:
             draft.tenant, draft.key_prefix = key.tenant, key.prefix
             slot = TenantSlot(key.tenant).__enter__()
             params = (parse_chat if chat else parse_completion)(parse_json_body(read_body(request)))
+            draft.n = params.n
             draft.target = target = resolve_target(key, params.model)
+            check_logit_bias(target.base, params)
             if chat:  # the text for the audit; the ids are what the worker reads (one BOS, the template's)
                 params.prompt, params.prompt_token_ids = chat_prompt(target.base, params.messages)
             draft.prompt_text = params.prompt if params.prompt is not None else repr(params.prompt_token_ids)
@@ -117,6 +119,12 @@ def adapter_ref(name: str, v: AdapterVersion) -> AdapterRef:
                       use_rslora=v.use_rslora, target_modules=list(v.target_modules), name=f"{name}@{v.number}")
 
 
+def check_logit_bias(base, params: GenerationParams) -> None:
+    vocab = int(base.shape_manifest.get("vocab_size") or 0)
+    if vocab and any(t >= vocab for t in params.logit_bias):
+        raise invalid(f"logit_bias names token ids at or above the vocabulary size {vocab}.", param="logit_bias")
+
+
 def build_job(draft: audit.AuditDraft, target: Target, params: GenerationParams) -> GenerationJob:
     adapter = adapter_ref(target.adapter.name, target.version) if target.adapter is not None else None
     return GenerationJob(
@@ -124,7 +132,22 @@ def build_job(draft: audit.AuditDraft, target: Target, params: GenerationParams)
         prompt_token_ids=params.prompt_token_ids, max_tokens=params.max_tokens, temperature=params.temperature,
         top_p=params.top_p, top_k=params.top_k, seed=params.seed, stop=list(params.stop),
         ignore_eos=params.ignore_eos, tenant=str(draft.tenant.pk) if draft.tenant is not None else "",
+        n=params.n, logprobs=params.logprobs,
+        prompt_logprobs=params.logprobs if params.echo and params.logprobs is not None else None,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logit_bias=[[t, b] for t, b in params.logit_bias.items()],
     )
+
+
+def shapes_for(draft, target: Target, params: GenerationParams, *, chat: bool) -> Shapes:
+    token_text = None
+    if params.logprobs is not None:
+        token_text = TokenText(tokenizer_for(target.base), as_ids=params.tokens_as_ids)
+    echo = None
+    if params.echo and not chat:
+        echo = params.prompt if params.prompt is not None else tokenizer_for(target.base).decode(
+            params.prompt_token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return Shapes(chat=chat, request_id=draft.request_id, model=target.model_id, token_text=token_text, echo=echo)
 
 
 def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat: bool, request, slot) -> HttpResponse:
@@ -153,7 +176,7 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
 
     deadline = time.monotonic() + timeout
     events = dispatcher.events(str(draft.request_id), deadline)
-    shapes = Shapes(chat=chat, request_id=draft.request_id, model=target.model_id)
+    shapes = shapes_for(draft, target, params, chat=chat)
     try:
         first = next(events)
     except (ReplyTimeout, StopIteration):
@@ -172,7 +195,8 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
                            result=result, worker_id=worker_id, attempts=attempts)
             return _error(draft, err, meta_out)
         if not params.stream:
-            audit.finalise(draft, ok=True, http_status=200, result=result, worker_id=worker_id, attempts=attempts)
+            audit.finalise(draft, ok=True, http_status=200, result=result, worker_id=worker_id, attempts=attempts,
+                           logprobs_returned=params.logprobs is not None)
             response = JsonResponse(shapes.full(result, meta_out))
             for name, value in metadata_headers(meta_out).items():
                 response[name] = value
@@ -216,20 +240,59 @@ def _fail_waiting(draft, dispatcher, err: ApiError, detail: str = "") -> HttpRes
     return _error(draft, err)
 
 
+class _ChoiceStream:
+    """What one choice has sent so far in a stream."""
+
+    __slots__ = ("text", "lps", "started", "offset")
+
+    def __init__(self):
+        self.text, self.lps, self.started, self.offset = "", 0, False, 0
+
+
 def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatcher, slot):
-    """SSE body: the first and last chunks carry the lorafleet object; then [DONE]."""
+    """SSE body, OpenAI's chunk shapes with `index` per choice: each choice's first chunk (chat: with the
+    role; completions with echo: with the prompt), its text and logprobs as they come, then one chunk per
+    choice with its finish_reason, the usage chunk if asked, then [DONE]. The very first chunk and the
+    finish chunks carry the lorafleet object."""
     finalised = False
     status = 200
+    choices = [_ChoiceStream() for _ in range(params.n)]
+    prompt_lps: list | None = None
+    logprobs_sent = False
+    is_first = True
+
+    def piece(i: int, text: str, entries: list | None, meta: dict | None) -> bytes:
+        """One content chunk of choice i, with the echoed prompt in front of its first."""
+        nonlocal logprobs_sent
+        c = choices[i]
+        prompt = None
+        if not c.started and shapes.echo is not None:
+            text = shapes.echo + text
+            prompt = prompt_lps
+        lps = shapes.logprobs(entries if entries is not None else ([] if shapes.token_text else None),
+                              offset=c.offset, prompt=prompt)
+        logprobs_sent = logprobs_sent or lps is not None
+        chunk = shapes.chunk(text, index=i, first=not c.started, meta=meta, logprobs=lps)
+        c.started = True
+        c.offset += len(text)
+        return sse(chunk)
+
     try:
-        event, is_first, sent = first, True, ""
+        event = first
         while True:
             if event["type"] == "delta":
-                meta = metadata(draft.request_id, target, weights_sha256=event.get("adapter_sha256"),
-                                worker_id=event.get("worker_id"),
-                                adapter_identity=event.get("adapter_identity")) if is_first else None
-                sent += event["text"]
-                yield sse(shapes.chunk(event["text"], first=is_first, meta=meta))
-                is_first = False
+                i = int(event.get("index", 0))
+                if event.get("prompt_logprobs") is not None:
+                    prompt_lps = event["prompt_logprobs"]
+                text, entries = event.get("text", ""), event.get("logprobs")
+                if 0 <= i < len(choices) and (text or entries):
+                    meta = metadata(draft.request_id, target, weights_sha256=event.get("adapter_sha256"),
+                                    worker_id=event.get("worker_id"),
+                                    adapter_identity=event.get("adapter_identity")) if is_first else None
+                    choices[i].text += text
+                    choices[i].lps += len(entries or [])
+                    yield piece(i, text, entries, meta)
+                    is_first = False
             else:
                 result = GenerationResult.from_dict(event["result"])
                 worker_id, attempts = event.get("worker_id", ""), event.get("attempts")
@@ -238,16 +301,26 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
                 err = _result_error(target, result)
                 if err is not None:
                     audit.finalise(draft, ok=False, http_status=200, error_code=err.code, error_message=err.message,
-                                   result=result, worker_id=worker_id, attempts=attempts)
+                                   result=result, worker_id=worker_id, attempts=attempts,
+                                   logprobs_returned=logprobs_sent)
                     finalised, status = True, err.status
                     yield sse({**err.body(), "lorafleet": meta})
                     return
-                rest = result.text[len(sent):] if result.text.startswith(sent) else ""
-                if rest or is_first:
-                    yield sse(shapes.chunk(rest, first=is_first, meta=meta if is_first else None))
-                audit.finalise(draft, ok=True, http_status=200, result=result, worker_id=worker_id, attempts=attempts)
+                if result.prompt_logprobs is not None:
+                    prompt_lps = result.prompt_logprobs
+                done = result.all_choices()[:len(choices)]
+                for c in done:
+                    sent = choices[c.index]
+                    rest = c.text[len(sent.text):] if c.text.startswith(sent.text) else ""
+                    entries = (c.logprobs or [])[sent.lps:] if c.logprobs is not None else None
+                    if rest or entries or not sent.started:
+                        yield piece(c.index, rest, entries, meta if is_first else None)
+                        is_first = False
+                audit.finalise(draft, ok=True, http_status=200, result=result, worker_id=worker_id, attempts=attempts,
+                               logprobs_returned=params.logprobs is not None)
                 finalised = True
-                yield sse(shapes.chunk("", finish_reason=result.finish_reason, meta=meta))
+                for c in done:
+                    yield sse(shapes.chunk("", index=c.index, finish_reason=c.finish_reason, meta=meta))
                 if params.include_usage:
                     yield sse(shapes.usage_chunk(result))
                 yield sse("[DONE]")
@@ -262,14 +335,16 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
                 break
         # the stream broke after it started: say so in-band, the status line has already gone out
         dispatcher.cancel(str(draft.request_id))
-        audit.finalise(draft, ok=False, http_status=200, error_code=err.code, error_message=err.message)
+        audit.finalise(draft, ok=False, http_status=200, error_code=err.code, error_message=err.message,
+                       logprobs_returned=logprobs_sent)
         finalised, status = True, err.status
         yield sse(err.body())
     finally:
         if not finalised:  # the client went away mid-stream
             dispatcher.cancel(str(draft.request_id))
             audit.finalise(draft, ok=False, http_status=200, error_code="client_disconnected",
-                           error_message="the client closed the connection before the answer ended")
+                           error_message="the client closed the connection before the answer ended",
+                           logprobs_returned=logprobs_sent)
             status = 499
         metrics.observe(draft.route, status, _tenant_label(draft), draft.elapsed())
         metrics.IN_FLIGHT.dec()

@@ -56,6 +56,15 @@ class PagedKVCache:
             raise ValueError(f"block table of {len(block_table)} blocks cannot hold {end} positions")
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks (K and V of every layer) src[i] -> dst[i]: the copy in copy-on-write, when the
+        sequences of one request fork after their shared prompt and each needs its own partial last block."""
+        if len(src) != len(dst):
+            raise ValueError("copy_blocks needs as many sources as destinations")
+        if src:
+            dev = self.pool.data.device
+            self.pool.data[:, torch.tensor(dst, device=dev)] = self.pool.data[:, torch.tensor(src, device=dev)]
+
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values. rows: int64 [T] flat rows; k, v: [T, kv_heads, head_dim]."""
         page, off = rows // self.block_size, rows % self.block_size

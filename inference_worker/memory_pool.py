@@ -7,7 +7,9 @@ adapter's run of pages holds its weights for every layer at the same offsets (so
 projection serves all layers; see lora.py).
 
 Allocation:
-- KV blocks are single pages, taken lowest id first;
+- KV blocks are single pages, taken lowest id first, and reference-counted: the n sequences of one request
+  (`n > 1`) share the full blocks of their prompt, which is computed once (`share_blocks`); a page goes back
+  to the free list when its last holder frees it;
 - an adapter is one contiguous run of pages, taken from the highest free run that fits (best placed
   away from the KV end, so KV churn fragments adapter space as little as possible).
 Nothing here decides *who* gets pages: the engine (admission) and the adapter cache (residency) do.
@@ -49,6 +51,7 @@ class PagePool:
             flat = torch.zeros(numel, dtype=dtype, device=self.device)
         self.data = flat.view(num_layers, num_pages, page_elems)  # [L, P, E]
         self._free = np.ones(num_pages, dtype=bool)
+        self._refs = np.zeros(num_pages, dtype=np.int32)  # holders of each KV page (0 = not a KV page)
         self.kv_pages = 0
         self.adapter_pages = 0
 
@@ -77,16 +80,36 @@ class PagePool:
             raise OutOfPages(f"asked for {n} KV blocks, {self.num_free} of {self.num_pages} pages free")
         ids = np.flatnonzero(self._free)[:n]
         self._free[ids] = False
+        self._refs[ids] = 1
         self.kv_pages += n
         return ids.tolist()
 
-    def free_blocks(self, blocks: list[int]) -> None:
-        ids = np.asarray(blocks, dtype=np.int64)
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_pages or self._free[ids].any()
+    def _check_kv(self, ids: np.ndarray, blocks) -> None:
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_pages or (self._refs[ids] <= 0).any()
                          or len(np.unique(ids)) != len(ids)):
-            raise ValueError(f"freeing KV blocks that are not allocated (double free?): {blocks}")
-        self._free[ids] = True
-        self.kv_pages -= len(ids)
+            raise ValueError(f"KV blocks that are not allocated (double free?): {list(blocks)}")
+
+    def share_blocks(self, blocks: list[int], holders: int = 1) -> None:
+        """`holders` more holders of each of these allocated KV blocks (copy-on-write sharing: a shared
+        block is only ever read; a holder that must write copies it into a block of its own)."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        self._check_kv(ids, blocks)
+        if holders < 0:
+            raise ValueError("holders must be >= 0")
+        self._refs[ids] += holders
+
+    def block_refs(self, block: int) -> int:
+        return int(self._refs[block])
+
+    def free_blocks(self, blocks: list[int]) -> list[int]:
+        """Drop one holder of each block; returns the blocks that became free (their last holder left)."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        self._check_kv(ids, blocks)
+        self._refs[ids] -= 1
+        gone = ids[self._refs[ids] == 0]
+        self._free[gone] = True
+        self.kv_pages -= len(gone)
+        return gone.tolist()
 
     # ---- adapter extents --------------------------------------------------------------------------
 
@@ -98,7 +121,7 @@ class PagePool:
         """Maximal runs of free pages as (start, end)."""
         padded = np.concatenate(([False], self._free, [False])).astype(np.int8)
         edges = np.flatnonzero(np.diff(padded))
-        return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+        return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
 
     def allocate_extent(self, n: int) -> int | None:
         """First page of a run of n free pages at the highest place that fits, or None."""
@@ -142,5 +165,12 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         return self.pool.allocate_blocks(n)
 
-    def free(self, blocks: list[int]) -> None:
-        self.pool.free_blocks(blocks)
+    def free(self, blocks: list[int]) -> list[int]:
+        """Drop one holder of each block; returns the blocks that became free."""
+        return self.pool.free_blocks(blocks)
+
+    def share(self, blocks: list[int], holders: int = 1) -> None:
+        self.pool.share_blocks(blocks, holders)
+
+    def refs(self, block: int) -> int:
+        return self.pool.block_refs(block)

@@ -25,6 +25,14 @@ class EngineMetrics:
     requests_failed: int = 0
     requests_cancelled: int = 0
     admissions_waited_memory: int = 0  # requests that waited at admission for KV or adapter pages
+    # n > 1: a request's prompt is prefilled once for its n sequences. prompt_prefills counts prompts that
+    # finished prefilling (one per request), sequences the sequences admitted (n per request), prefill_tokens
+    # the prompt tokens run through the model (each prompt once, whatever n).
+    prompt_prefills: int = 0
+    sequences: int = 0
+    prefill_tokens: int = 0
+    kv_blocks_shared: int = 0  # block-table entries that point at another sequence's prompt block (not copied)
+    kv_blocks_copied: int = 0  # partial last prompt blocks copied at a fork (copy-on-write)
     forward_seconds: float = 0.0
     step_seconds: float = 0.0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +56,7 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         cfg = json.loads((path / "config.json").read_text())
         arch = cfg.get("model_type", "")
@@ -201,7 +202,7 @@ class StepContext:
 class Block:
     """One decoder layer: pre-norm attention and SwiGLU MLP, each with a residual."""
 
-    def __init__(self, runner: "ModelRunner", layer: int, w: dict[str, torch.Tensor]) -> None:
+    def __init__(self, runner: ModelRunner, layer: int, w: dict[str, torch.Tensor]) -> None:
         cfg = runner.config
         self.runner, self.layer, self.cfg = runner, layer, cfg
         self.q_dim = cfg.num_heads * cfg.head_dim
@@ -216,7 +217,7 @@ class Block:
             dims = (self.q_dim, self.kv_dim, self.kv_dim)
             self.b_qkv = torch.cat([b if b is not None else torch.zeros(d, dtype=self.w_qkv.dtype,
                                                                         device=self.w_qkv.device)
-                                    for b, d in zip(biases, dims)])
+                                    for b, d in zip(biases, dims, strict=True)])
         self.w_o = w["self_attn.o_proj.weight"]  # [hidden, q_dim]
         self.b_o = w.get("self_attn.o_proj.bias")
         self.w_gate_up = torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]).contiguous()
@@ -273,7 +274,7 @@ class Block:
         if ctx.decode is not None and ctx.decode.index is None:  # index is None: the whole step is decode
             return self._attend_decode(q, ctx.decode, scale)
         out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
-        if ctx.decode is not None:
+        if ctx.decode is not None and ctx.decode.index is not None:
             idx = ctx.decode.index
             out.index_copy_(0, idx, self._attend_decode(q.index_select(0, idx), ctx.decode, scale))
         for p in ctx.prefills:
@@ -344,9 +345,8 @@ class ModelRunner:
         self.weights_bytes = sum(t.numel() * t.element_size() for t in w.values())
         self.embed = w.pop("model.embed_tokens.weight")  # [vocab, hidden]
         self.final_norm = w.pop("model.norm.weight")
-        self.lm_head = w.pop("lm_head.weight", None)
-        if self.lm_head is None or cfg.tie_word_embeddings:
-            self.lm_head = self.embed  # [vocab, hidden]
+        head = w.pop("lm_head.weight", None)
+        self.lm_head: torch.Tensor = self.embed if head is None or cfg.tie_word_embeddings else head  # [vocab, hidden]
         self.blocks = []
         for i in range(cfg.num_layers):
             prefix = f"model.layers.{i}."
@@ -364,8 +364,8 @@ class ModelRunner:
         self.workspace_measured: int | None = None
         if memory_bytes is not None:
             self.memory = self._split_budget(int(memory_bytes))
-            pool_pages = self.memory.num_pages
-        self.pool = PagePool(num_layers=cfg.num_layers, num_pages=int(pool_pages),
+        pages = self.memory.num_pages if self.memory is not None else int(pool_pages or 0)  # one of them is given
+        self.pool = PagePool(num_layers=cfg.num_layers, num_pages=pages,
                              page_elems=page_elements(self.shape, block_size), dtype=self.dtype, device=self.device)
         self.kv = PagedKVCache(self.pool, block_size=block_size, num_kv_heads=cfg.num_kv_heads,
                                head_dim=cfg.head_dim)
@@ -510,7 +510,7 @@ class ModelRunner:
                                   for s in decode_steps], dtype=torch.int64, device=dev)  # [B, nb]
             p = torch.arange(nb * bs, device=dev)  # whole blocks are gathered; the mask hides the tail
             q_pos = torch.tensor(lens, device=dev).unsqueeze(1) - 1  # [B, 1]
-            masks = {}
+            masks: dict[int | None, torch.Tensor | None] = {}
             for wdw in windows:
                 ok = p.unsqueeze(0) <= q_pos
                 if wdw is not None:
@@ -533,13 +533,13 @@ class ModelRunner:
                 rows = torch.tensor(self.kv.rows_for(s.block_table, 0, L), dtype=torch.int64, device=dev)
             k_pos = torch.arange(L, device=dev).unsqueeze(0)  # [1, L]
             q_pos = torch.arange(s.start_pos, L, device=dev).unsqueeze(1)  # [n, 1]
-            masks = {}
+            prefill_masks: dict[int | None, torch.Tensor] = {}
             for wdw in windows:
                 ok = k_pos <= q_pos
                 if wdw is not None:
                     ok = ok & (k_pos > q_pos - wdw)
-                masks[wdw] = ok[None, None]  # [1, 1, n, L], 4-D for SDPA's fast path
-            prefills.append(_Prefill(first=first, n=n, rows=rows, masks=masks))
+                prefill_masks[wdw] = ok[None, None]  # [1, 1, n, L], 4-D for SDPA's fast path
+            prefills.append(_Prefill(first=first, n=n, rows=rows, masks=prefill_masks))
 
         lora = self.lora.mapping(slots) if self.lora is not None else None
         if self.lora is None and any(s >= 0 for s in slots):
@@ -549,15 +549,28 @@ class ModelRunner:
                           decode=decode, prefills=prefills, lora=lora)
         return torch.tensor(tokens, dtype=torch.int64, device=dev), ctx, last
 
-    @torch.inference_mode()
     def forward(self, steps: list[SeqStep]) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(steps), vocab] at each step's last token."""
+        return self.forward_all_positions(steps, ())[0]
+
+    @torch.inference_mode()
+    def forward_all_positions(self, steps: list[SeqStep], every: Collection[int]
+                              ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`forward`, plus fp32 logits at *every* token of the steps whose indices are in `every`
+        ({index: [len(token_ids), vocab]}): what prompt logprobs need (completions with echo). Only those
+        steps pay for the extra rows of the LM head."""
         if not steps:
-            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device), {}
         tokens, ctx, last = self._context(steps)
         x = self.embed.index_select(0, tokens)  # [T, hidden]
         for block in self.blocks:
             x = block.forward(x, ctx)
+        extra = {}
+        for i in every:
+            n = len(steps[i].token_ids)
+            extra[i] = self._head(x[last[i] - n + 1: last[i] + 1])  # [n, vocab]
         x = x.index_select(0, torch.tensor(last, dtype=torch.int64, device=self.device))  # [steps, hidden]
-        x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()  # [steps, vocab]
+        return self._head(x), extra  # [steps, vocab]
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()

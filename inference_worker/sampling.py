@@ -1,10 +1,16 @@
 """Choosing the next token and deciding when a request is done.
 
 Two rules shape this module:
-- A request's samples depend only on its own logits and its own seeded generator, never on which
-  other requests share its batch: each sampled request owns a `torch.Generator`, consumed once per token.
+- A sequence's samples depend only on its own logits and its own seeded generator, never on which
+  other requests share its batch: each sampled sequence owns a `torch.Generator`, consumed once per token.
+  The n sequences of one request each get their own seed derived from the request's (`derived_seed`).
 - The per-step cost must stay small beside the forward pass: greedy rows of the whole batch are
-  chosen with one `argmax`; only rows that really sample pay per-row work.
+  chosen with one `argmax`; only rows that ask for more pay for it — logprobs (one log-softmax over the rows
+  that ask), penalties and logit_bias (one sparse update over the (row, token) pairs they touch), sampling.
+
+The order per row is vLLM's: logprobs are the log-softmax of the model's raw logits (before logit_bias,
+penalties, temperature, top-k and top-p: what the model thinks, not what the sampler drew from); then
+logit_bias, repetition_penalty, frequency and presence penalties; then greedy or temperature/top-k/top-p.
 
 Stop strings are matched on the detokenized text, which grows token by token; a stop string may be split
 across tokens, so the matcher re-searches the tail of the text, and streaming holds back any suffix that
@@ -12,8 +18,11 @@ could still become a stop string. The stop text itself is never part of the outp
 """
 from __future__ import annotations
 
+import hashlib
+import math
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,6 +31,7 @@ from protocol.jobs import GenerationJob
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS). A tiny but positive temperature would
 # otherwise overflow logits / t to inf and the softmax to NaN; greedy is its limit anyway.
 MIN_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 
 
 class NonFiniteLogits(ValueError):
@@ -34,16 +44,29 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
-    @classmethod
-    def from_job(cls, job: GenerationJob) -> "SamplingParams":
-        return cls(temperature=float(job.temperature), top_p=float(job.top_p), top_k=int(job.top_k), seed=job.seed)
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    def validate(self) -> str | None:
+    @classmethod
+    def from_job(cls, job: GenerationJob) -> SamplingParams:
+        bias = tuple((int(t), float(b)) for t, b in (job.logit_bias or []))
+        return cls(temperature=float(job.temperature), top_p=float(job.top_p), top_k=int(job.top_k), seed=job.seed,
+                   presence_penalty=float(job.presence_penalty), frequency_penalty=float(job.frequency_penalty),
+                   repetition_penalty=float(job.repetition_penalty), logit_bias=bias,
+                   logprobs=None if job.logprobs is None else int(job.logprobs))
+
+    def validate(self, vocab_size: int | None = None) -> str | None:
         """Why these parameters cannot be honoured, or None."""
         if not 0 <= self.temperature < float("inf"):  # also refuses NaN
             return "temperature must be a finite number >= 0"
@@ -51,11 +74,33 @@ class SamplingParams:
             return "top_p must be in (0, 1]"
         if self.top_k < 0:
             return "top_k must be >= 0"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                return f"{name} must be a finite number"
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            return "repetition_penalty must be a finite number > 0"
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            return f"logprobs must be in 0..{MAX_LOGPROBS}"
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            return "logit_bias names a token twice"
+        for t, b in self.logit_bias:
+            if not math.isfinite(b) or (vocab_size is not None and not 0 <= t < vocab_size):
+                return f"logit_bias must map token ids in 0..{(vocab_size or 1) - 1} to finite numbers"
         return None
 
 
+def derived_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded `seed`: choice 0 uses the seed itself (so n=1 and the
+    first of n choices agree), the others a 63-bit hash of (seed, index), distinct per choice."""
+    if index == 0:
+        return int(seed)
+    digest = hashlib.sha256(f"lorafleet-choice:{int(seed)}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 class RequestSampler:
-    """Samples one request's tokens with its own generator (seeded: reproducible across runs and batches)."""
+    """Samples one sequence's tokens with its own generator (seeded: reproducible across runs and batches)."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -81,6 +126,158 @@ class RequestSampler:
             x = x.index_fill(0, order[drop], float("-inf"))
         probs = torch.softmax(x, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+
+class SequenceSampling:
+    """One sequence's sampling state: its sampler (None = greedy), what its penalties count, logprobs asked.
+
+    Penalty state is sparse — the distinct tokens seen and their counts — so a step costs what the
+    sequence has generated, never the vocabulary."""
+
+    __slots__ = ("params", "sampler", "logprobs", "processed", "counts", "out_ids", "out_counts", "_pos", "rep_ids",
+                 "_rep_seen")
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), *, index: int = 0):
+        if params.seed is not None and index:
+            params = replace(params, seed=derived_seed(params.seed, index))
+        self.params = params
+        self.sampler = None if params.greedy else RequestSampler(params)
+        self.logprobs = params.logprobs
+        self.processed = params.penalized or bool(params.logit_bias)  # logits change before sampling
+        self.counts = params.penalized  # keeps count of what it generates
+        self.out_ids: list[int] = []  # distinct generated tokens, in first-seen order
+        self.out_counts: list[int] = []
+        self._pos: dict[int, int] = {}
+        self.rep_ids: list[int] = []  # distinct prompt + generated tokens (repetition_penalty)
+        self._rep_seen: set[int] = set()
+        if params.repetition_penalty != 1:
+            self._rep_seen = set(int(t) for t in prompt_ids)
+            self.rep_ids = sorted(self._rep_seen)
+
+    def observe(self, token: int) -> None:
+        """The token this sequence took: counted for its penalties."""
+        if not self.counts:
+            return
+        i = self._pos.get(token)
+        if i is None:
+            self._pos[token] = len(self.out_ids)
+            self.out_ids.append(token)
+            self.out_counts.append(1)
+        else:
+            self.out_counts[i] += 1
+        if self.params.repetition_penalty != 1 and token not in self._rep_seen:
+            self._rep_seen.add(token)
+            self.rep_ids.append(token)
+
+
+@torch.inference_mode()
+def apply_processors(logits: torch.Tensor, states: list[SequenceSampling], skip=()) -> None:
+    """logit_bias, then repetition_penalty, then frequency and presence penalties, in place, for the whole
+    batch at once: each is one gather/scatter over the (row, token) pairs the rows touch.
+
+    OpenAI: mu[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, c[j] = times token j was
+    generated so far in this sequence. repetition_penalty (HF/vLLM): over prompt and generated tokens, a
+    positive logit is divided by it and a negative one multiplied."""
+    bias_r, bias_t, bias_v = [], [], []
+    rep_r, rep_t, rep_p = [], [], []
+    pen_r, pen_t, pen_v = [], [], []
+    for row, st in enumerate(states):
+        if not st.processed or row in skip:
+            continue
+        p = st.params
+        if p.logit_bias:
+            bias_r += [row] * len(p.logit_bias)
+            bias_t += [t for t, _ in p.logit_bias]
+            bias_v += [b for _, b in p.logit_bias]
+        if p.repetition_penalty != 1 and st.rep_ids:
+            rep_r += [row] * len(st.rep_ids)
+            rep_t += st.rep_ids
+            rep_p += [p.repetition_penalty] * len(st.rep_ids)
+        if (p.frequency_penalty or p.presence_penalty) and st.out_ids:
+            pen_r += [row] * len(st.out_ids)
+            pen_t += st.out_ids
+            pen_v += [c * p.frequency_penalty + p.presence_penalty for c in st.out_counts]
+    dev = logits.device
+
+    def index(rows, toks):
+        return (torch.tensor(rows, dtype=torch.int64, device=dev), torch.tensor(toks, dtype=torch.int64, device=dev))
+
+    if bias_r:
+        logits.index_put_(index(bias_r, bias_t), torch.tensor(bias_v, dtype=logits.dtype, device=dev), accumulate=True)
+    if rep_r:
+        at = index(rep_r, rep_t)
+        v, penalty = logits[at], torch.tensor(rep_p, dtype=logits.dtype, device=dev)
+        logits[at] = torch.where(v > 0, v / penalty, v * penalty)
+    if pen_r:
+        logits.index_put_(index(pen_r, pen_t), -torch.tensor(pen_v, dtype=logits.dtype, device=dev), accumulate=True)
+
+
+@dataclass
+class StepSample:
+    tokens: list[int]
+    failed: dict[int, Exception]  # row -> why (its token is meaningless)
+    logprobs: dict[int, dict]  # row -> {"token", "logprob", "top": [[id, lp], ...]} for rows that ask
+
+
+@torch.inference_mode()
+def sample_step(logits: torch.Tensor, states: list[SequenceSampling]) -> StepSample:
+    """logits: [rows, vocab] fp32, one row per state (modified in place). One token per row.
+
+    A row whose logits are not all finite, or whose sampling raised, fails alone; the other rows of the
+    batch are unaffected. Rows that do not ask for logprobs, penalties or sampling cost one argmax."""
+    failed: dict[int, Exception] = {}
+    finite = torch.isfinite(logits).all(dim=-1)  # [rows], one pass over the logits
+    if not bool(finite.all()):
+        for row in torch.nonzero(~finite).flatten().tolist():
+            failed[row] = NonFiniteLogits("the model produced non-finite logits (NaN or inf) for this request; "
+                                          "the adapter's weights or scale overflow the serving dtype")
+    ask = [row for row, st in enumerate(states) if st.logprobs is not None and row not in failed]
+    if ask:  # raw logprobs, before anything below changes the logits
+        ask_idx = torch.tensor(ask, dtype=torch.int64, device=logits.device)
+        lp = torch.log_softmax(logits.index_select(0, ask_idx), dim=-1)  # [A, vocab]
+        k = max(states[row].logprobs or 0 for row in ask)
+        top = torch.topk(lp, k, dim=-1) if k else None
+    if any(st.processed for st in states):
+        apply_processors(logits, states, failed)
+    tokens = torch.argmax(logits, dim=-1).tolist()  # [rows]
+    for row, st in enumerate(states):
+        if st.sampler is None or row in failed:
+            continue
+        try:
+            tokens[row] = st.sampler.sample(logits[row])
+        except Exception as exc:  # this request only
+            failed[row] = exc
+    entries: dict[int, dict] = {}
+    if ask:
+        chosen = torch.tensor([tokens[row] for row in ask], dtype=torch.int64, device=lp.device)
+        chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else ([[]] * len(ask),) * 2
+        for a, row in enumerate(ask):
+            if row in failed:
+                continue
+            k = states[row].logprobs or 0
+            entries[row] = {"token": tokens[row], "logprob": chosen_lp[a],
+                            "top": [[i, v] for i, v in zip(top_i[a][:k], top_v[a][:k], strict=True)]}
+    for row, st in enumerate(states):
+        if st.counts and row not in failed:
+            st.observe(tokens[row])
+    return StepSample(tokens, failed, entries)
+
+
+@torch.inference_mode()
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[dict]:
+    """Logprob entries of prompt tokens: `logits` [m, vocab] at the positions before them, `next_ids` [m] the
+    tokens that followed. Raw log-softmax, as for generated tokens."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(next_ids, dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    if k:
+        top = torch.topk(lp, k, dim=-1)
+        top_v, top_i = top.values.tolist(), top.indices.tolist()
+    else:
+        top_v = top_i = [[]] * len(next_ids)
+    return [{"token": t, "logprob": c, "top": [[i, v] for i, v in zip(ti, tv, strict=True)]}
+            for t, c, ti, tv in zip(next_ids, chosen, top_i, top_v, strict=True)]
 
 
 def sample_next_tokens(logits: torch.Tensor, samplers: list[tuple[int, RequestSampler]]

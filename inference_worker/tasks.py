@@ -78,8 +78,8 @@ def _run(job: GenerationJob, meta: JobMeta, runtime, channel, deadline: float) -
             identity = job.adapter.identity if job.adapter is not None else None
             checked = time.monotonic()
             # A token exists only once the adapter was loaded and its sha256 verified against the job's.
-            for delta in handle.stream(timeout=timeout):
-                channel.push(job.request_id, {"type": "delta", "text": delta, "worker_id": runtime.worker_id,
+            for delta in handle.deltas(timeout=timeout):  # {"index", "text"} (+ "logprobs", "prompt_logprobs")
+                channel.push(job.request_id, {"type": "delta", **delta, "worker_id": runtime.worker_id,
                                               "adapter_sha256": verified, "adapter_identity": identity})
                 if time.monotonic() - checked > CANCEL_CHECK_S:
                     checked = time.monotonic()

@@ -100,6 +100,13 @@ class GenerationJob:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     tenant: str = ""  # an opaque tenant id: the engine shares the worker fairly between tenants (VTC)
+    n: int = 1  # choices: the prompt is prefilled once, its KV blocks shared by the n sequences
+    logprobs: int | None = None  # None: none; k: each generated token's logprob and its k most likely rivals
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions with echo)
+    presence_penalty: float = 0.0  # OpenAI's definitions, on generated tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM/HF's, on prompt and generated tokens; 1 = off
+    logit_bias: list[list] = field(default_factory=list)  # [[token_id, bias], ...]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # asdict recurses: the adapter becomes AdapterRef.to_dict()'s dict
@@ -141,6 +148,22 @@ class JobMeta:
 
 
 @dataclass
+class Choice:
+    """One of a result's n choices. `logprobs`: per generated token {"token": id, "logprob": lp,
+    "top": [[id, lp], ...]} (the log-softmax of the model's logits before any sampling parameter), or None."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[dict] | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Choice:
+        return _from_dict(cls, d)
+
+
+@dataclass
 class GenerationResult:
     """The answer to one job: tokens and text, or an error code, plus what auditing needs."""
 
@@ -158,6 +181,10 @@ class GenerationResult:
     queued_s: float = 0.0  # submit -> admitted into the running batch
     first_token_s: float | None = None  # submit -> first generated token
     total_s: float = 0.0  # submit -> done
+    # Every choice (text, token_ids and finish_reason above are choice 0's; completion_tokens counts all).
+    # Empty from workers that predate n: then choice 0 is the fields above (see all_choices).
+    choices: list[Choice] = field(default_factory=list)
+    prompt_logprobs: list[dict] | None = None  # per prompt token, as in Choice.logprobs; the first's logprob is None
 
     def __post_init__(self) -> None:
         # A code given or read as a string becomes its ErrorCode; one this side does not know (a newer
@@ -172,6 +199,9 @@ class GenerationResult:
     def ok(self) -> bool:
         return self.status == "ok"
 
+    def all_choices(self) -> list[Choice]:
+        return self.choices or [Choice(0, self.text, list(self.token_ids), self.finish_reason)]
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -179,4 +209,5 @@ class GenerationResult:
     def from_dict(cls, d: dict[str, Any]) -> GenerationResult:
         res = _from_dict(cls, d)
         res.token_ids = list(res.token_ids)
+        res.choices = [c if isinstance(c, Choice) else Choice.from_dict(c) for c in res.choices or []]
         return res
