@@ -55,7 +55,7 @@ from protocol.jobs import AdapterRef, GenerationJob  # noqa: E402
 from protocol.lora_layout import ATTENTION_MODULES, TARGET_MODULES, ModelShape  # noqa: E402
 from protocol.memory import split_budget, workspace_bytes  # noqa: E402
 
-MID = dict(hidden=1024, layers=8, heads=16, kv_heads=16, intermediate=2816)
+MID = dict(hidden=1024, layers=8, heads=16, kv_heads=16, intermediate=2816, max_position=1024)  # 512 + 32 fit
 LLAMA2_7B = ModelShape(num_layers=32, hidden_size=4096, intermediate_size=11008, num_heads=32, num_kv_heads=32,
                        head_dim=128)
 N_ADAPTERS, NEW_TOKENS, MAX_RUNNING, ZIPF_S = 1000, 32, 512, 1.1
@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/lorafleet-bench")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
-    base = Path(args.workdir) / "base-memory-mid"
+    base = Path(args.workdir) / "base-memory-mid-1k"
     if not (base / "model.safetensors").exists():
         build_tiny_base(base, arch="llama", seed=0, **MID)
     probe = ModelRunner(base, pool_pages=1, enable_lora=False)

@@ -104,9 +104,36 @@ def plot_engine(text: str) -> Path | None:
     return out
 
 
+def plot_memory(text: str) -> Path | None:
+    """Running sequences against fleet mix: fixed slots, the unified pool and the LoRA-free engine."""
+    try:
+        md = section(text, "Memory pool")
+    except SystemExit:
+        return None
+    found = [t for t in tables(md) if t and "fleet" in t[0] and "unified pool peak" in t[0]]
+    if not found:
+        return None
+    rows = found[0]
+    fleets = [row["fleet"] for row in rows]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    series = [("LoRA disabled", "LoRA-disabled peak"), ("fixed slots", "fixed slots peak"),
+              ("unified pool", "unified pool peak")]
+    width = 0.8 / len(series)
+    for i, (label, key) in enumerate(series):
+        ax.bar([f + i * width for f in range(len(rows))], [number(row[key]) for row in rows], width, label=label)
+    ax.set_xticks([f + 0.4 - width / 2 for f in range(len(rows))], fleets)
+    ax.set(ylabel="peak running sequences", xlabel="fleet of 1,000 adapters",
+           title="Adapter memory competes with concurrency: one budget, three layouts (bench/memory.py)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = DOCS / "memory_concurrency.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
     text = RESULTS.read_text()
-    for out in (plot_kernels(text), plot_engine(text)):
+    for out in (plot_kernels(text), plot_engine(text), plot_memory(text)):
         if out is not None:
             print(f"wrote {out.relative_to(ROOT)}")
 
