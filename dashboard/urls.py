@@ -7,7 +7,7 @@ adapters and their versions, usage, the audit log and the capacity planner.
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from .views import adapters, keys, members, reports
+from .views import adapters, keys, members, operator, reports
 
 tenant_pages = [
     path("login/", auth_views.LoginView.as_view(template_name="registration/login.html", redirect_authenticated_user=True),
@@ -41,7 +41,12 @@ adapter_pages = [
     path("capacity/", reports.capacity_page, name="capacity"),
 ]
 
+operator_pages = [  # staff only: every worker, its memory pool and resident adapters
+    path("operator/workers/", operator.workers, name="workers"),
+]
+
 urlpatterns = [
     path("", include((tenant_pages, "tenants"))),
     path("", include((adapter_pages, "adapters"))),
+    path("", include((operator_pages, "operator"))),
 ]

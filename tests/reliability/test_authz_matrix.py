@@ -251,6 +251,8 @@ ACTIONS: list[Action] = [
     Action("adapters:audit", "GET", lambda r: reverse("adapters:audit"), _dash(200, 200, 200, 200),
            check=_no_acme_in_body),
     Action("adapters:capacity", "GET", lambda r: reverse("adapters:capacity"), _dash(200, 200, 200, 200)),
+    # staff only (every tenant's workers and residents): no tenant role reaches it
+    Action("operator:workers", "GET", lambda r: reverse("operator:workers"), _dash(404, 404, 404, 404)),
     # --- operator and documentation endpoints (schema and docs public by design; see docs/RELIABILITY.md)
     # /metrics answers only its own bearer token (tests/api/test_metrics.py): no session or API key opens it
     Action("metrics", "GET", lambda r: reverse("metrics"), _everyone(401)),
