@@ -124,7 +124,7 @@ def plot_memory(text: str) -> Path | None:
     ax.set_xticks([f + 0.4 - width / 2 for f in range(len(rows))], fleets)
     ax.set(ylabel="peak running sequences", xlabel="fleet of 1,000 adapters",
            title="Adapter memory competes with concurrency: one budget, three layouts (bench/memory.py)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     out = DOCS / "memory_concurrency.png"
     fig.savefig(out, dpi=110)
