@@ -154,8 +154,8 @@ def _writes(r, peft_folder, invitation=None):
 
 # Routes that only read (GET pages, API reads, login form). Every other route is a write and needs a row above.
 READ_ONLY = {"tenants:login", "tenants:home", "tenants:invitations", "adapters:list", "adapters:detail",
-             "adapters:usage", "adapters:audit", "adapters:capacity", "operator:workers", "metrics", "schema", "api-docs", "gateway:models",
-             "gateway:model-detail", "gateway:unknown"}  # unknown: a JSON 404 for any method
+             "adapters:usage", "adapters:audit", "adapters:capacity", "operator:workers", "metrics", "schema", "api-docs",
+             "gateway:models", "gateway:model-detail", "gateway:unknown"}  # unknown: a JSON 404 for any method
 API_WRITES = {"gateway:completions", "gateway:chat-completions"}
 
 
