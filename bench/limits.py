@@ -1,0 +1,204 @@
+"""The fp32 limit of a generation workload on this machine, measured on the model's own GEMM shapes.
+
+    .venv/bin/python bench/limits.py [--model DIR] [--rows 64,512]
+
+A workload's limit is the time its linear layers need at the fastest fp32 GEMM torch offers here: the
+prompt's FLOPs at the GEMM rate of a prefill chunk (`prefill_rows`, 512 in bench/engine.py) plus the
+decode FLOPs at the rate of the decode batch (`decode_rows`, the 64 concurrent requests). "of limit" is
+a system's generated tok/s over the generated tokens per second that time allows. Attention, norms,
+sampling and the scheduler are not in it: they are what a system spends beyond the limit.
+
+The rate at each row count is measured, per weight shape, with two GEMMs and the faster one kept:
+- `F.linear` (MKL's sgemm through aten), what the runner calls by default;
+- oneDNN with the weight packed once into its blocked layout for that row count
+  (`torch.ops.mkldnn._reorder_linear_weight(w, rows)`, then `torch.ops.mkldnn._linear_pointwise(x, w_packed,
+  bias, "none", [], "")`) — what inductor's CPU freezing pass emits and vLLM-CPU's `onednn_mm` does.
+Each shape is timed over one distinct weight per layer (as a forward pass reads them: weights stream from
+memory, not from cache), best of `repeats` passes, the two GEMMs alternating so load on shared CPUs tilts
+neither. Other work on the CPUs only ever slows a GEMM down, so the best pass is the machine's rate.
+
+FLOPs counted per request (P prompt tokens, G generated): prefill = P tokens through every layer's
+projections; decode = G - 1 tokens through them (the first generated token comes out of the prefill) plus
+G rows of the LM head, all at the decode rate (the head's rows in a prefill step are one per sequence, as
+in a decode step).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+IMPLS = ("F.linear", "onednn_packed")
+
+
+def onednn_available() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def layer_shapes(cfg) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of one decoder layer's GEMMs as the runner runs them (q/k/v and
+    gate/up fused)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return [("qkv", h, q + 2 * kv), ("o", q, h), ("gate_up", h, 2 * i), ("down", i, h)]
+
+
+def layer_flops_per_token(cfg) -> int:
+    return 2 * cfg.num_layers * sum(n * o for _, n, o in layer_shapes(cfg))
+
+
+def head_flops_per_token(cfg) -> int:
+    return 2 * cfg.hidden_size * cfg.vocab_size
+
+
+@dataclass
+class GemmRates:
+    """fp32 GEMM FLOP/s at one row count: per implementation over the whole model, and the per-shape best."""
+
+    rows: int
+    by_impl: dict[str, float]  # impl -> FLOP/s over all the model's GEMMs (layers and head)
+    best: float  # FLOP/s with the faster impl at each shape
+    best_impl: dict[str, str] = field(default_factory=dict)  # shape -> impl that won
+    load_average: float = 0.0
+
+    def line(self) -> str:
+        impls = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in self.by_impl.items())
+        won = ", ".join(f"{s}: {i}" for s, i in self.best_impl.items())
+        return (f"{self.rows:4d} rows: {self.best / 1e9:6.1f} GFLOP/s fastest per shape ({impls}; "
+                f"fastest: {won}); load average {self.load_average:.1f}")
+
+
+def _packed(w: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, rows)
+
+
+def _run(impl: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if impl == "F.linear":
+        return F.linear(x, w)
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+@torch.inference_mode()
+def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None, seed: int = 0) -> GemmRates:
+    """The model's GEMMs at `rows` rows, each shape over `layers` distinct weights (default: the model's layer
+    count; the head once), both implementations alternating, best of `repeats` passes per shape and impl."""
+    impls = [i for i in IMPLS if i == "F.linear" or onednn_available()]
+    g = torch.Generator().manual_seed(seed)
+    n_layers = layers or cfg.num_layers
+    shapes = [(name, n, o, n_layers) for name, n, o in layer_shapes(cfg)]
+    shapes.append(("lm_head", cfg.hidden_size, cfg.vocab_size, 1))
+    best_t: dict[tuple[str, str], float] = {}
+    for name, n, o, count in shapes:
+        ws = [torch.randn(o, n, generator=g) / n ** 0.5 for _ in range(count)]
+        weights = {"F.linear": ws}
+        if "onednn_packed" in impls:
+            weights["onednn_packed"] = [_packed(w, rows) for w in ws]
+        x = torch.randn(rows, n, generator=g)
+        for impl in impls:  # warm-up: first-call costs (oneDNN primitive creation) are not the rate
+            for w in weights[impl][:2]:
+                _run(impl, x, w)
+        for _ in range(repeats):
+            for impl in impls:
+                t = time.perf_counter()
+                for w in weights[impl]:
+                    _run(impl, x, w)
+                dt = time.perf_counter() - t
+                best_t[name, impl] = min(best_t.get((name, impl), float("inf")), dt)
+        del ws, weights
+    flops = {name: 2 * rows * n * o * count for name, n, o, count in shapes}
+    total = sum(flops.values())
+    by_impl = {impl: total / sum(best_t[name, impl] for name, *_ in shapes) for impl in impls}
+    best_impl = {name: min(impls, key=lambda i: best_t[name, i]) for name, *_ in shapes}
+    best = total / sum(best_t[name, best_impl[name]] for name, *_ in shapes)
+    return GemmRates(rows=rows, by_impl=by_impl, best=best, best_impl=best_impl, load_average=os.getloadavg()[0])
+
+
+@dataclass
+class WorkloadLimit:
+    """The fp32 limit of one workload: the time its GEMMs take at the measured rates, as generated tok/s."""
+
+    prefill_flops: float
+    decode_flops: float
+    generated_tokens: int
+    prefill: GemmRates
+    decode: GemmRates
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_flops / self.prefill.best + self.decode_flops / self.decode.best
+
+    @property
+    def tok_s(self) -> float:
+        return self.generated_tokens / self.seconds
+
+    def of_limit(self, tok_s: float) -> float:
+        return tok_s / self.tok_s
+
+    def describe(self) -> str:
+        return (f"fp32 limit {self.tok_s:.1f} tok/s: {self.prefill_flops / 1e9:.1f} GFLOP of prompt at "
+                f"{self.prefill.best / 1e9:.1f} GFLOP/s ({self.prefill.rows} rows) + {self.decode_flops / 1e9:.1f} "
+                f"GFLOP of decode at {self.decode.best / 1e9:.1f} GFLOP/s ({self.decode.rows} rows) = "
+                f"{self.seconds:.2f} s for {self.generated_tokens} generated tokens")
+
+    def as_dict(self) -> dict:
+        return {"limit_tok_s": self.tok_s, "limit_seconds": self.seconds, "prefill_gflop": self.prefill_flops / 1e9,
+                "decode_gflop": self.decode_flops / 1e9,
+                "prefill_gflops": {"rows": self.prefill.rows, "best": self.prefill.best / 1e9,
+                                   **{k: v / 1e9 for k, v in self.prefill.by_impl.items()},
+                                   "fastest": self.prefill.best_impl, "load": self.prefill.load_average},
+                "decode_gflops": {"rows": self.decode.rows, "best": self.decode.best / 1e9,
+                                  **{k: v / 1e9 for k, v in self.decode.by_impl.items()},
+                                  "fastest": self.decode.best_impl, "load": self.decode.load_average}}
+
+
+def workload_flops(cfg, prompt_lens: list[int], new_tokens: list[int]) -> tuple[float, float]:
+    """(prefill FLOPs, decode FLOPs) of requests with these prompt lengths and generated-token counts."""
+    per_tok, head = layer_flops_per_token(cfg), head_flops_per_token(cfg)
+    prefill = float(sum(prompt_lens)) * per_tok
+    decode = float(sum(max(g - 1, 0) for g in new_tokens)) * per_tok + float(sum(new_tokens)) * head
+    return prefill, decode
+
+
+def workload_limit(cfg, prompt_lens: list[int], new_tokens: list[int], *, prefill_rows: int = 512,
+                   decode_rows: int = 64, repeats: int = 5, rates: tuple[GemmRates, GemmRates] | None = None
+                   ) -> WorkloadLimit:
+    """Measure (or reuse `rates` = (prefill, decode)) and return the workload's limit."""
+    if rates is None:
+        rates = (measure_rates(cfg, prefill_rows, repeats=repeats), measure_rates(cfg, decode_rows, repeats=repeats))
+    prefill, decode = workload_flops(cfg, prompt_lens, new_tokens)
+    return WorkloadLimit(prefill_flops=prefill, decode_flops=decode, generated_tokens=sum(new_tokens),
+                         prefill=rates[0], decode=rates[1])
+
+
+def best_of(a: GemmRates | None, b: GemmRates) -> GemmRates:
+    """The faster of two measurements at the same row count (load only ever slows a GEMM down)."""
+    return b if a is None or b.best > a.best else a
+
+
+def main() -> None:
+    import argparse
+    import sys
+    from pathlib import Path
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from inference_worker.model import ModelConfig
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="a checkpoint directory (config.json)")
+    ap.add_argument("--rows", default="64,512")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    cfg = ModelConfig.from_dir(args.model)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, oneDNN packed GEMM available: "
+          f"{onednn_available()}")
+    for rows in map(int, args.rows.split(",")):
+        print(measure_rates(cfg, rows, repeats=args.repeats).line(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
