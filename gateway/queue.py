@@ -11,7 +11,8 @@ the real one.
 from __future__ import annotations
 
 import logging
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 from inference_worker.replies import ChannelUnavailable, ReplyTimeout, ensure_local_folders, reply_channel
 from protocol.jobs import GenerationJob

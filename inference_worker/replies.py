@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 REPLY_TTL_S = 600
 ATTEMPTS_TTL_S = 24 * 3600
