@@ -5,6 +5,9 @@ reply channel (inference_worker.replies). Publishing fails fast: one connection 
 timeout and no publish retries, so a broker that is down becomes a 503 within about a second instead
 of a hang.
 
+Which queue: `queue` is the base's; gateway/routing.py turns it into the tenant's pool (a dedicated one
+where the tenant has it) and, with adapter affinity on, the own queue of the worker that owns the adapter.
+
 Tests of pure API shapes replace the dispatcher with `set_dispatcher(fake)`; everything else uses
 the real one.
 """
@@ -16,6 +19,8 @@ from typing import Protocol
 
 from inference_worker.replies import ChannelUnavailable, ReplyTimeout, ensure_local_folders, reply_channel
 from protocol.jobs import GenerationJob
+
+from .routing import Route, Router, RoutingUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +43,24 @@ class Dispatcher(Protocol):
 
 
 class CeleryDispatcher:
-    def __init__(self):
+    def __init__(self, router: Router | None = None):
         ensure_local_folders()
+        self.router = router or Router()
+
+    def route(self, job: GenerationJob, queue: str) -> Route:
+        try:
+            return self.router.route(base_queue=queue, tenant_id=job.tenant,
+                                     adapter_identity=job.adapter.identity if job.adapter is not None else None)
+        except RoutingUnavailable as exc:
+            log.warning("routing %s failed: %s", job.request_id, exc)
+            raise QueueUnavailable(str(exc)) from exc
 
     def publish(self, job: GenerationJob, meta: dict, *, queue: str, expires_s: float) -> None:
         from config.celery_app import app
 
+        route = self.route(job, queue)
+        queue = route.queue
+        log.debug("request %s -> %s (%s)", job.request_id, queue, route.reason)
         try:
             with app.producer_pool.acquire(block=True, timeout=CONNECT_TIMEOUT_S) as producer:
                 producer.connection.ensure_connection(

@@ -9,6 +9,10 @@ transport's connection errors, so Celery's cleanup does not ignore it and the wo
 is restarted under traffic). Raising the transport's own ConnectionError there lets Celery's normal
 reconnect path run; the unacknowledged messages stay in Redis and are restored by the visibility
 timeout, as for any lost connection.
+
+`manage.py run_worker` on Redis no longer runs kombu's consumer (inference_worker/consumer.py takes its
+jobs with BLMOVE); this guard is for a Celery worker on Redis (`celery -A config worker`), applied by
+Celery's worker_init signal (inference_worker/tasks.py).
 """
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ Filesystem (the embedded default): events are appended as JSON lines to a file u
 web polls; streaming works the same way, at the polling interval (50 ms).
 
 Also here, because both sides need them: the per-request attempt counter (the poison-request cap),
-the cancel flag (the web gave up: do not start the job), and worker heartbeats (worker_status).
+the cancel flag (the web gave up: do not start the job), the done flag (a final answer was pushed: a
+redelivered copy is not run again), worker heartbeats (worker_status, the gateway's routing) and the
+names of the queues: a pool's shared queue and each worker's own queue (inference_worker/consumer.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,22 @@ from pathlib import Path
 REPLY_TTL_S = 600
 ATTEMPTS_TTL_S = 24 * 3600
 POLL_S = 0.05
+WORKER_KEY_PREFIX = "lorafleet:worker:"
+
+
+def pool_queue(base_queue: str, tenant_slug: str | None = None) -> str:
+    """The shared queue of a worker pool: the base's queue, or the dedicated pool of one tenant on that base."""
+    return f"{base_queue}.tenant.{tenant_slug}" if tenant_slug else base_queue
+
+
+def own_queue(pool: str, worker_id: str) -> str:
+    """The queue only `worker_id` consumes (beside its pool's): where the gateway sends the jobs of the
+    adapters that worker owns (gateway/routing.py)."""
+    return f"{pool}.worker.{worker_id}"
+
+
+def heartbeat_key(worker_id: str) -> str:
+    return WORKER_KEY_PREFIX + worker_id
 
 
 class ChannelUnavailable(RuntimeError):
@@ -59,7 +77,13 @@ class RedisChannel:
         pipe = self._redis.pipeline()
         pipe.rpush(key, json.dumps(event))
         pipe.expire(key, REPLY_TTL_S)
+        if event.get("type") == "final":  # in the same transaction: answered <=> marked done
+            pipe.set(f"lorafleet:done:{request_id}", b"1", ex=ATTEMPTS_TTL_S)
         self._call(pipe.execute)
+
+    def is_done(self, request_id: str) -> bool:
+        """A final answer was already pushed for this request (a redelivered copy must not run again)."""
+        return bool(self._call(self._redis.exists, f"lorafleet:done:{request_id}"))
 
     def count_attempt(self, request_id: str) -> int:
         key = f"lorafleet:attempts:{request_id}"
@@ -71,13 +95,37 @@ class RedisChannel:
     def is_cancelled(self, request_id: str) -> bool:
         return bool(self._call(self._redis.exists, f"lorafleet:cancel:{request_id}"))
 
-    def heartbeat(self, worker_id: str, status: dict, ttl_s: int) -> None:
-        self._call(self._redis.set, f"lorafleet:worker:{worker_id}", json.dumps(status), ex=ttl_s)
+    def heartbeat(self, worker_id: str, status: dict, ttl_s: float) -> None:
+        self._call(self._redis.set, heartbeat_key(worker_id), json.dumps(status), px=int(ttl_s * 1000))
+
+    def forget_worker(self, worker_id: str) -> None:
+        self._call(self._redis.delete, heartbeat_key(worker_id))
 
     def live_workers(self) -> list[dict]:
-        keys = sorted(self._call(lambda: list(self._redis.scan_iter("lorafleet:worker:*", count=500))))
-        values = self._call(self._redis.mget, keys) if keys else []
-        return [json.loads(v) for v in values if v]
+        """Each live worker's last status, plus `expires_in_s`: how long it stays listed without another beat
+        (read on Redis's clock, so hosts with skewed clocks agree on it)."""
+        keys = sorted(self._call(lambda: list(self._redis.scan_iter(WORKER_KEY_PREFIX + "*", count=500))))
+        if not keys:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+            pipe.pttl(key)
+        replies = self._call(pipe.execute)
+        out = []
+        for value, pttl in zip(replies[::2], replies[1::2], strict=True):
+            if value:
+                status = json.loads(value)
+                status["expires_in_s"] = max(0.0, pttl / 1000) if pttl and pttl > 0 else 0.0
+                out.append(status)
+        return out
+
+    def queue_lengths(self, queues: list[str]) -> list[int]:
+        """Jobs waiting in each queue (one round trip)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for queue in queues:
+            pipe.llen(queue)
+        return [int(n) for n in self._call(pipe.execute)]
 
     # web side
     def cancel(self, request_id: str) -> None:
@@ -134,11 +182,21 @@ class FileChannel:
     def is_cancelled(self, request_id: str) -> bool:
         return self._path("cancel", request_id).exists()
 
-    def heartbeat(self, worker_id: str, status: dict, ttl_s: int) -> None:
+    def is_done(self, request_id: str) -> bool:
+        return False  # the embedded default's Celery worker never redelivers an answered job
+
+    def _worker_path(self, worker_id: str) -> Path:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in worker_id)
-        tmp = self.folder / "workers" / f".{safe}.tmp"
+        return self.folder / "workers" / f"{safe}.json"
+
+    def forget_worker(self, worker_id: str) -> None:
+        self._worker_path(worker_id).unlink(missing_ok=True)
+
+    def heartbeat(self, worker_id: str, status: dict, ttl_s: float) -> None:
+        path = self._worker_path(worker_id)
+        tmp = path.with_name(f".{path.stem}.tmp")
         tmp.write_text(json.dumps({**status, "_expires": time.time() + ttl_s}))
-        tmp.replace(self.folder / "workers" / f"{safe}.json")
+        tmp.replace(path)
 
     def live_workers(self) -> list[dict]:
         out = []
@@ -147,8 +205,9 @@ class FileChannel:
                 status = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            if status.pop("_expires", 0) > time.time():
-                out.append(status)
+            expires = status.pop("_expires", 0)
+            if expires > time.time():
+                out.append({**status, "expires_in_s": expires - time.time()})
         return out
 
     def cancel(self, request_id: str) -> None:

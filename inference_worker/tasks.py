@@ -1,13 +1,18 @@
 """The Celery task that carries one request from the queue to the engine and its answer back.
 
-Delivery guarantees (settings: acks_late, reject_on_worker_lost; the message is acknowledged only
-when this function returns):
-- A worker that dies mid-request leaves the message unacknowledged; the broker redelivers it.
+Delivery guarantees (the message is acknowledged only when this function returns: on Redis by the
+reliable consumer, inference_worker/consumer.py; on the embedded default by Celery's acks_late):
+- A worker that dies mid-request leaves the message in its processing list; the other workers hand it
+  back to the pool's queue once its heartbeat expires, and another worker runs it.
+- A job whose final answer was already pushed (its worker died between answering and acknowledging)
+  is acknowledged without running again: a request is never answered twice.
 - Each delivery counts an attempt (inference_worker.replies, keyed by request id). Past
   `max_attempts` the job is not run again: it is answered `worker_lost`, so a request that kills
   workers ends as a recorded failure instead of looping through the fleet.
 - A job whose caller has given up (deadline passed or cancelled) is answered without being run.
 - Whatever happens inside, exactly one `final` event is pushed: the web never waits for nothing.
+- A worker of a tenant's dedicated pool runs only that tenant's jobs (the gateway routes them; this
+  is the second lock).
 
 No database here: the message carries everything (protocol.jobs: the GenerationJob and its JobMeta).
 """
@@ -17,6 +22,7 @@ import logging
 import time
 
 from celery import shared_task
+from celery.signals import worker_init
 
 from protocol.errors import ErrorCode
 from protocol.jobs import GenerationJob, GenerationResult, JobMeta
@@ -25,6 +31,14 @@ log = logging.getLogger(__name__)
 
 CANCEL_CHECK_S = 0.5
 GRACE_S = 2.0
+
+
+@worker_init.connect
+def _harden_kombu(**_kwargs) -> None:
+    """A Celery worker on Redis must survive a broker restart under traffic (broker_hardening.py)."""
+    from . import broker_hardening
+
+    broker_hardening.apply()
 
 
 def _error(job: GenerationJob, code: ErrorCode, message: str) -> GenerationResult:
@@ -39,6 +53,9 @@ def generate(self, job_dict: dict, meta_dict: dict) -> None:
     job, meta = GenerationJob.from_dict(job_dict), JobMeta.from_dict(meta_dict)
     channel = reply_channel()
     runtime = get_runtime()
+    if channel.is_done(job.request_id):
+        log.warning("request %s was already answered; not running the redelivered copy", job.request_id)
+        return
     attempts = channel.count_attempt(job.request_id)
 
     def final(result: GenerationResult, outcome: str) -> None:
@@ -55,6 +72,11 @@ def generate(self, job_dict: dict, meta_dict: dict) -> None:
     if time.time() >= deadline or channel.is_cancelled(job.request_id):
         return final(_error(job, ErrorCode.CANCELLED, "the caller stopped waiting before a worker started this job"),
                      "skipped")
+    if runtime.tenant_id and job.tenant != runtime.tenant_id:
+        log.error("request %s of tenant %r reached the dedicated pool of tenant %s", job.request_id, job.tenant,
+                  runtime.tenant)
+        return final(_error(job, ErrorCode.INTERNAL_ERROR,
+                            "this job reached another tenant's dedicated worker, which refused it"), "wrong_pool")
     if meta.base_sha256 and meta.base_sha256 != runtime.base_sha256:
         return final(_error(job, ErrorCode.BASE_MISMATCH, f"this worker serves base {runtime.base_slug} "
                                                   f"({runtime.base_sha256[:12]}), not {meta.base_sha256[:12]}"),

@@ -2,10 +2,13 @@
 
     python manage.py run_worker --base SLUG      (see management/commands/run_worker.py)
 
-Celery's threads pool runs the tasks (inference_worker/tasks.py); every task thread hands its job to
-the single in-process engine, which batches them — never the prefork pool, whose children would each
-load their own copy of the base. Besides the engine this module holds the process's identity (worker
-id), the Prometheus exporter and the heartbeat that `manage.py worker_status` reads.
+Task threads run the tasks (inference_worker/tasks.py): the reliable consumer's on Redis, Celery's threads
+pool on the embedded default; every task thread hands its job to the single in-process engine, which
+batches them — never a prefork pool, whose children would each load their own copy of the base. Besides
+the engine this module holds the process's identity (worker id, pool, own queue), the Prometheus exporter
+and the heartbeat that `manage.py worker_status` and the gateway's routing read. On Redis the jobs come
+through inference_worker/consumer.py (a reliable-queue consumer); each heartbeat also registers this
+worker's lists there and reaps dead workers' jobs.
 """
 from __future__ import annotations
 
@@ -18,8 +21,11 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 5
-HEARTBEAT_TTL_S = 15
+# A worker is live while its heartbeat key exists: written every HEARTBEAT_S, expiring HEARTBEAT_TTL_S
+# after the last beat. Within one TTL of a worker's death the gateway stops routing to it and the other
+# workers hand its jobs back to its pool (consumer.reap).
+HEARTBEAT_S = float(os.environ.get("LORAFLEET_HEARTBEAT_S") or 5)
+HEARTBEAT_TTL_S = float(os.environ.get("LORAFLEET_HEARTBEAT_TTL_S") or 15)
 
 
 def make_worker_id(base_slug: str) -> str:
@@ -37,6 +43,11 @@ class WorkerRuntime:
     device: str
     concurrency: int
     metrics_port: int | None = None
+    own_queue: str = ""  # the queue only this worker consumes (adapter affinity); "" without one
+    tenant: str = ""  # slug of the tenant whose dedicated pool this is; "" for the base's shared pool
+    tenant_id: str = ""  # that tenant's id, as jobs carry it
+    consumer: object | None = None  # consumer.ReliableConsumer (Redis), None under Celery's worker
+    stopping: threading.Event = field(default_factory=threading.Event)
     started_at: float = field(default_factory=time.time)
     adapter_names: dict[str, str] = field(default_factory=dict)  # identity -> "name@N", for worker_status
     tasks_done: dict[str, int] = field(default_factory=dict)  # outcome -> count
@@ -54,6 +65,11 @@ class WorkerRuntime:
         counters = stats.get("cache") or {}
         return {
             "worker_id": self.worker_id, "base": self.base_slug, "base_sha256": self.base_sha256, "queue": self.queue,
+            "pool_queue": self.queue, "own_queue": self.own_queue, "tenant": self.tenant,
+            "heartbeat_s": HEARTBEAT_S, "heartbeat_ttl_s": HEARTBEAT_TTL_S,
+            "consumer": self.consumer.stats() if self.consumer is not None else None,
+            # the lists holding the jobs this worker has taken and not finished: the gateway's measure of its load
+            "processing": self.consumer.spec()["processing"] if self.consumer is not None else [],
             "host": socket.gethostname(), "pid": os.getpid(), "device": self.device, "concurrency": self.concurrency,
             "metrics_port": self.metrics_port, "started_at": self.started_at, "seen_at": time.time(),
             "running": stats.get("running", 0), "queue_depth": stats.get("queue_depth", 0),
@@ -65,6 +81,16 @@ class WorkerRuntime:
                        "admissions_waited_memory": stats.get("admissions_waited_memory", 0)},
             "tasks": dict(self.tasks_done),
         }
+
+    def minimal_status(self) -> dict:
+        """What a heartbeat says when engine.stats() fails: enough to stay live and routable."""
+        return {"worker_id": self.worker_id, "base": self.base_slug, "base_sha256": self.base_sha256,
+                "queue": self.queue, "pool_queue": self.queue, "own_queue": self.own_queue, "tenant": self.tenant,
+                "processing": self.consumer.spec()["processing"] if self.consumer is not None else [],
+                "heartbeat_s": HEARTBEAT_S, "heartbeat_ttl_s": HEARTBEAT_TTL_S, "host": socket.gethostname(),
+                "pid": os.getpid(), "device": self.device, "concurrency": self.concurrency,
+                "started_at": self.started_at, "seen_at": time.time(), "running": 0, "queue_depth": 0,
+                "resident_adapters": [], "memory": {}, "tasks": dict(self.tasks_done)}
 
 
 def load_blob(key: str):
@@ -117,7 +143,9 @@ def memory_budget(device: str, *, memory_fraction: float | None = None, memory_g
 
 def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_path: str, device: str | None = None,
                   concurrency: int = 64, max_lora_rank: int = 64, memory_fraction: float | None = None,
-                  memory_gb: float | None = None, prefill_chunk: int = 256) -> WorkerRuntime:
+                  memory_gb: float | None = None, prefill_chunk: int = 256, tenant: str = "",
+                  tenant_id: str = "", worker_id: str | None = None,
+                  host_cache_mb: float | None = None) -> WorkerRuntime:
     """Load the base once and start the engine; the process-wide singleton every task uses."""
     global _runtime
     import torch
@@ -135,11 +163,14 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
                              max_running=concurrency, max_batch_tokens=prefill_chunk + concurrency)
         # the engine verifies each blob's sha256
         fair = os.environ.get("LORAFLEET_WORKER_FAIR", "1").lower() not in ("0", "false", "no")  # 0: FIFO
-        engine = Engine(runner, load_blob, max_running=concurrency, prefill_chunk=prefill_chunk, fair=fair)
+        host_cache = {} if host_cache_mb is None else {"host_cache_bytes": int(host_cache_mb * 1e6)}
+        engine = Engine(runner, load_blob, max_running=concurrency, prefill_chunk=prefill_chunk, fair=fair,
+                        **host_cache)
         engine.start()
         _runtime = WorkerRuntime(base_slug=base_slug, base_sha256=base_sha256, queue=queue,
                                  checkpoint_path=str(checkpoint_path), engine=engine,
-                                 worker_id=make_worker_id(base_slug), device=device, concurrency=concurrency)
+                                 worker_id=worker_id or make_worker_id(base_slug), device=device,
+                                 concurrency=concurrency, tenant=tenant, tenant_id=tenant_id)
         m = runner.memory
         log.info("worker %s: base %s loaded on %s in %.1f s; budget %.2f GB = weights %.2f + workspace %.2f + "
                  "pool %d pages x %.2f MB", _runtime.worker_id, base_slug, device, time.perf_counter() - started,
@@ -248,6 +279,15 @@ class EngineCollector:
         for outcome, n in sorted(rt.tasks_done.items()):
             tasks.add_metric(ids + [outcome], n)
         yield tasks
+        if rt.consumer is not None:
+            c = rt.consumer.stats()
+            taken = CounterMetricFamily("lorafleet_worker_jobs_taken", "Jobs taken, by queue: own (routed to this "
+                                        "worker by adapter affinity) or pool (the shared queue).",
+                                        labels=labels + ["queue"])
+            taken.add_metric(ids + ["own"], c["taken_own"])
+            taken.add_metric(ids + ["pool"], c["taken_pool"])
+            yield taken
+            yield counter("jobs_reclaimed", "Jobs of dead workers this worker handed back to their pool.", c["reclaimed"])
 
 
 def start_metrics_server(runtime: WorkerRuntime, port: int, addr: str = "127.0.0.1") -> int:
@@ -260,16 +300,37 @@ def start_metrics_server(runtime: WorkerRuntime, port: int, addr: str = "127.0.0
     return runtime.metrics_port
 
 
-def start_heartbeat(runtime: WorkerRuntime) -> threading.Thread:
+def beat_once(runtime: WorkerRuntime) -> None:
+    """One heartbeat: the status (or a minimal one if the engine cannot say), then the consumer's registration
+    and a reaping pass. Order matters: a worker is registered only while its heartbeat exists, so no reaper
+    ever takes the jobs of a worker that is starting."""
     from .replies import reply_channel
 
+    try:
+        status = runtime.status()
+    except Exception:
+        log.exception("worker status failed; sending a minimal heartbeat")
+        status = runtime.minimal_status()
+    reply_channel().heartbeat(runtime.worker_id, status, HEARTBEAT_TTL_S)
+    if runtime.consumer is not None:
+        runtime.consumer.register()
+        runtime.consumer.reap()
+
+
+def start_heartbeat(runtime: WorkerRuntime) -> threading.Thread:
+    """The first beat runs here (the worker is listed before it takes any job), the rest on a thread until
+    `runtime.stopping` is set."""
+    try:
+        beat_once(runtime)
+    except Exception as exc:
+        log.warning("first heartbeat failed: %s", exc)
+
     def beat() -> None:
-        while True:
+        while not runtime.stopping.wait(HEARTBEAT_S):
             try:
-                reply_channel().heartbeat(runtime.worker_id, runtime.status(), HEARTBEAT_TTL_S)
+                beat_once(runtime)
             except Exception as exc:  # Redis away for a moment: the next beat retries
-                log.debug("heartbeat failed: %s", exc)
-            time.sleep(HEARTBEAT_S)
+                log.warning("heartbeat failed: %s", exc)
 
     thread = threading.Thread(target=beat, name="lorafleet-heartbeat", daemon=True)
     thread.start()

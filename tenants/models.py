@@ -26,6 +26,13 @@ class Tenant(models.Model):
     audit_store_text_hashes = models.BooleanField(default=False)
     requests_per_minute = models.PositiveIntegerField(default=600)
     max_concurrent_requests = models.PositiveIntegerField(default=64)
+    # Physical separation: the tenant's requests go only to workers started with `run_worker --tenant <slug>`,
+    # and those workers serve no one else (gateway/routing.py).
+    dedicated = models.BooleanField(
+        "dedicated worker pool", default=False,
+        help_text="Serve this tenant only on its own workers (manage.py run_worker --base BASE --tenant SLUG), "
+                  "which serve no other tenant. With none running, its requests wait for one (504 at the "
+                  "request timeout); they never fall back to the shared workers.")
 
     class Meta:
         ordering = ["slug"]

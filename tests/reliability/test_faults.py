@@ -5,16 +5,20 @@ on 127.0.0.1; every test bounds its duration and stops what it started.
 - Worker faults: the worker is killed with SIGKILL while clients keep sending over 20 adapters; a new
   one is started each time. Every accepted request ends answered (200) or with an explicit error code,
   none is lost or left pending in the audit log, and none is answered twice; every adapter is served.
+  No job ends as a 504: what a killed worker had taken (even a job Redis had just handed it) is in its
+  processing list (inference_worker/consumer.py) and is run by the next worker once its heartbeat expires.
 - Broker faults: redis-server is killed under traffic. While it is down every request is a 503 within
   2 s and on the record; after it returns, requests are answered again within 30 s, no manual step.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import threading
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import httpx
@@ -24,6 +28,7 @@ import redis
 from psycopg.rows import dict_row
 
 from tests.e2e.conftest import Proc, Stack, _reachable, free_port, wait_until
+from tests.e2e.test_many_workers import affinity_and_failover, fleet_stack
 
 FULL = os.environ.get("LORAFLEET_FAULTS_FULL", "").lower() in ("1", "true", "yes")
 KILLS = 5 if FULL else 1
@@ -78,9 +83,12 @@ result = {{"names": names}}
 """
 
 
+HEARTBEAT_S, HEARTBEAT_TTL_S = 1, 5  # a killed worker's jobs come back within ~6 s (defaults: 5 s and 15 s)
+
+
 def start_worker(stack, base: str, name: str):
-    # one device slot per adapter (and a few spare), so 16 clients over 20 adapters never wait on a free slot
-    return stack.start_worker(base, name, args=("--max-lora-slots", str(ADAPTERS + 4)))
+    # a pool that holds all 20 adapters beside the KV blocks (tiny base), small enough for several workers
+    return stack.start_worker(base, name, args=("--memory-gb", "0.05"))
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +96,7 @@ def fault_stack(rel_stack, tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     broker = PrivateRedis(root)
     env = {**rel_stack.env, "CELERY_BROKER_URL": broker.url, "LORAFLEET_MAX_ATTEMPTS": "3",
-           "LORAFLEET_VISIBILITY_TIMEOUT_S": "3", "LORAFLEET_RESTORE_INTERVAL_S": "1",
+           "LORAFLEET_HEARTBEAT_S": str(HEARTBEAT_S), "LORAFLEET_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S),
            "LORAFLEET_REQUEST_TIMEOUT_S": "30"}
     stack = Stack(root, env)
     try:
@@ -172,6 +180,10 @@ def test_killing_the_worker_loses_no_request(fault_stack):
             fs.worker.proc.kill(signal.SIGKILL)  # kill -9, mid-traffic
             fs.worker = start_worker(fs.stack, fs.base, f"worker-faults-{k + 1}")
         time.sleep(KILL_EVERY_S / 2)
+        # on a loaded machine the short run can end before every client went round: keep sending until each
+        # adapter has been answered once
+        wait_until(lambda: {o["model"] for o in list(traffic.outcomes) if o["status"] == 200} == set(fs.models), 120,
+                   "every adapter answered")
     outcomes = traffic.outcomes
     lost = [o for o in outcomes if o["status"] is None]
     assert not lost, lost[:3]
@@ -197,16 +209,28 @@ def test_killing_the_worker_loses_no_request(fault_stack):
     served = {o["model"] for o in outcomes if o["status"] == 200}
     assert served == set(fs.models), f"adapters never served: {sorted(set(fs.models) - served)}"
     assert len(outcomes) >= MIN_REQUESTS, f"only {len(outcomes)} requests in the full run"
-    # Where the jobs that timed out were: a worker that ran a job counted an attempt in Redis
-    # (lorafleet:attempts:<id>) before running it; no count means no worker ever started it.
+    # What the reapers handed back from the killed workers: jobs they had taken (running, or just handed to
+    # them by Redis) and jobs still waiting in their own queues.
     broker = redis.Redis.from_url(fs.broker.url)
+    reclaimed = [json.loads(x) for x in broker.lrange("lorafleet:reclaimed", 0, -1)]
+    handed_back = {r["request_id"] for r in reclaimed}
+    answered_after = sum(o["status"] == 200 for o in outcomes if o["request_id"] in handed_back)
+    # taken by a worker that was killed before it started the job (its one attempt was counted by the next
+    # worker): the jobs kombu's BRPOP consumer lost, one per kill or so, each a 504 at the request timeout
+    unstarted = sum(rows[r["request_id"]][0]["attempts"] == 1 for r in reclaimed
+                    if r["was"] == "taken" and r["request_id"] in rows)
     timed_out = [o["request_id"] for o in outcomes if o["code"] == "timeout"]
-    never_started = sum(broker.get(f"lorafleet:attempts:{rid}") is None for rid in timed_out)
-    wait_until(lambda: broker.hlen("unacked") == 0, 30, "no unacknowledged job left in the broker")
+    wait_until(lambda: not any(broker.llen(k) for k in broker.scan_iter("lorafleet:processing:*")), 30,
+               "no job left taken and unacknowledged")
     print(f"\nworker faults: {KILLS} kill -9 under {CLIENTS} clients over {len(fs.models)} adapters; "
-          f"{len(outcomes)} requests, {ok} answered, errors {codes}, {redelivered} answered after redelivery, "
-          f"0 lost, 0 pending, 0 answered twice; of {len(timed_out)} timeouts {never_started} were never started "
-          f"by any worker; slowest {max(o['seconds'] for o in outcomes):.1f}s")
+          f"{len(outcomes)} requests, {ok} answered, errors {codes or 'none'}, {redelivered} answered after "
+          f"redelivery; {len(handed_back)} jobs handed back from killed workers "
+          f"({dict(Counter(r['was'] for r in reclaimed))}; {unstarted} taken but not yet started), {answered_after} "
+          f"of them answered 200; 0 lost, 0 pending, "
+          f"0 answered twice, {len(timed_out)} timeouts; slowest {max(o['seconds'] for o in outcomes):.1f}s")
+    # The gap kombu's BRPOP consumer left (a job popped by a worker killed before it recorded the job ended
+    # as a 504 at the request timeout, about one per kill) is closed: not one such job.
+    assert not timed_out, [o for o in outcomes if o["code"] == "timeout"][:3]
 
 
 def test_a_dead_broker_is_a_fast_recorded_503_and_recovery_needs_no_one(fault_stack):
@@ -229,7 +253,8 @@ def test_a_dead_broker_is_a_fast_recorded_503_and_recovery_needs_no_one(fault_st
     during = [o for o in outcomes if down_at + 0.5 < o["started"] < up_at - 2.5]
     assert during, "no request was sent while the broker was down"
     slow = [o for o in during if o["status"] != 503 or o["seconds"] > 2.0]
-    assert not slow, slow[:3]
+    assert not slow, [(o["status"], o["code"], round(o["started"] - down_at, 2), round(o["seconds"], 2))
+                      for o in slow[:10]] + [f"{len(slow)} of {len(during)}"]
     assert {o["code"] for o in during} == {"queue_unavailable"}
     rows = _audit_rows(fs, [o["request_id"] for o in outcomes])
     for o in outcomes:
@@ -240,3 +265,14 @@ def test_a_dead_broker_is_a_fast_recorded_503_and_recovery_needs_no_one(fault_st
     print(f"\nbroker faults: redis down {OUTAGE_S}s under {CLIENTS} clients; {len(during)} requests while down, all "
           f"503 queue_unavailable in <= {max(o['seconds'] for o in during):.2f}s, all audited; first answer "
           f"{recovered['started'] - up_at + recovered['seconds']:.1f}s after the broker returned")
+
+
+@pytest.mark.skipif(not FULL, reason="the short sizes run in make test: tests/e2e/test_many_workers.py")
+@pytest.mark.timeout(2400)  # two runs of 4,000 requests and the kill: ~15 minutes on 2 busy cores
+def test_three_workers_affinity_and_a_sigkill_at_full_sizes(rel_stack, tmp_path_factory):
+    """Issue 18's e2e scenario at its full sizes (16 clients, 1,000 warm-up + 3,000 measured requests per run,
+    40 s of traffic around the kill): tests/e2e/test_many_workers.py, run here (over this suite's database, as
+    its runtime role) so that `make faults` has it."""
+    with fleet_stack(rel_stack.env, rel_stack.checkpoint, rel_stack.stack.django,
+                     tmp_path_factory.mktemp("fleet")) as fleet:
+        affinity_and_failover(fleet)

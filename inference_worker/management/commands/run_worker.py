@@ -1,11 +1,20 @@
-"""`manage.py run_worker --base SLUG`: one Celery worker process for one base model.
+"""`manage.py run_worker --base SLUG [--tenant SLUG]`: one worker process for one base model.
 
 Loads the base once into the process-wide engine, starts the Prometheus exporter and the heartbeat,
-then runs a Celery worker on the base's queue with the *threads* pool (`-P threads -c N`): every
-task thread hands its job to the one engine, which batches them. Never prefork: each child would
-load its own copy of the base.
+then consumes the pool's queues with N task threads (`--concurrency`): every task thread hands its job
+to the one engine, which batches them. Never prefork: each child would load its own copy of the base.
+
+The pool is the base's shared queue (`base.<slug>`), or with `--tenant` that tenant's dedicated pool on
+the base: only its requests come here, and its requests go nowhere else (Tenant.dedicated, in admin).
+On Redis the worker also consumes a queue of its own, where the gateway routes the adapters it owns
+(gateway/routing.py), and takes jobs with the reliable consumer (inference_worker/consumer.py). On the
+embedded default (Celery's filesystem transport) it runs Celery's worker, threads pool, on the pool queue.
 """
 from __future__ import annotations
+
+import logging
+import signal
+import threading
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
@@ -13,7 +22,10 @@ from django.db import connections
 
 from adapters.models import BaseModel
 from inference_worker import worker
-from inference_worker.replies import ensure_local_folders
+from inference_worker.replies import ensure_local_folders, own_queue, pool_queue
+from tenants.models import Tenant
+
+STOP_GRACE_S = 50  # in-flight generations finish on SIGTERM (compose's stop_grace_period is 60 s)
 
 
 class Command(BaseCommand):
@@ -21,6 +33,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--base", required=True, help="slug of a registered base model")
+        parser.add_argument("--tenant", default=None,
+                            help="serve only this tenant, as a worker of its dedicated pool on the base (turn the "
+                                 "tenant's 'dedicated worker pool' setting on in admin to route it here)")
         parser.add_argument("--concurrency", "-c", type=int, default=settings.LORAFLEET_WORKER_CONCURRENCY,
                             help="task threads = most requests one engine runs at once (default %(default)s)")
         parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -32,11 +47,16 @@ class Command(BaseCommand):
                                  "pool of KV blocks and adapters (default 0.90)")
         parser.add_argument("--memory-gb", type=float, default=settings.LORAFLEET_WORKER_MEMORY_GB,
                             help="the same budget in GB (10**9 bytes); the CPU default is a quarter of RAM")
+        parser.add_argument("--host-cache-mb", type=float, default=None,
+                            help="bytes of parsed adapters kept in host memory (LRU), in MB (default 2 GiB); a "
+                                 "miss there is a cold load from storage")
         parser.add_argument("--prefill-chunk", type=int, default=256,
                             help="prompt tokens per engine step (sizes the activation workspace)")
         parser.add_argument("--loglevel", default="INFO")
 
     def handle(self, *args, **opts) -> None:
+        if not opts["base"].strip():
+            raise CommandError("--base needs a base model slug.")
         base = BaseModel.objects.filter(slug=opts["base"]).first()
         if base is None:
             known = ", ".join(BaseModel.objects.values_list("slug", flat=True)) or "none registered"
@@ -45,33 +65,78 @@ class Command(BaseCommand):
             raise CommandError(f"Base model {base.slug!r} has no local checkpoint_path.")
         if opts["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1.")
+        tenant = None
+        if opts["tenant"] is not None and not opts["tenant"].strip():
+            raise CommandError("--tenant needs a tenant slug (an empty one would make this a shared worker).")
+        if opts["tenant"]:
+            tenant = Tenant.objects.filter(slug=opts["tenant"]).first()
+            if tenant is None:
+                raise CommandError(f"No tenant {opts['tenant']!r}.")
+            if not tenant.dedicated:
+                self.stderr.write(f"note: tenant {tenant.slug!r} does not have its dedicated worker pool turned on: "
+                                  f"its requests go to the shared pool until it is (admin, Tenants).")
+        pool = pool_queue(base.queue_name, tenant.slug if tenant else None)
+        redis_broker = str(settings.CELERY_BROKER_URL).startswith(("redis://", "rediss://", "unix://"))
         try:
             runtime = worker.build_runtime(
-                base_slug=base.slug, base_sha256=base.sha256, queue=base.queue_name,
+                base_slug=base.slug, base_sha256=base.sha256, queue=pool,
                 checkpoint_path=base.checkpoint_path, device=opts["device"], concurrency=opts["concurrency"],
                 max_lora_rank=base.max_lora_rank, memory_fraction=opts["memory_fraction"],
-                memory_gb=opts["memory_gb"], prefill_chunk=opts["prefill_chunk"],
+                memory_gb=opts["memory_gb"], prefill_chunk=opts["prefill_chunk"], host_cache_mb=opts["host_cache_mb"],
+                tenant=tenant.slug if tenant else "", tenant_id=str(tenant.pk) if tenant else "",
             )
         except ValueError as exc:  # a budget that cannot hold the base, or a bad flag
             raise CommandError(str(exc)) from None
         ensure_local_folders()
         port = worker.start_metrics_server(runtime, opts["metrics_port"], opts["metrics_addr"])
-        worker.start_heartbeat(runtime)
+        if redis_broker:
+            from inference_worker.consumer import ReliableConsumer
+            from inference_worker.tasks import generate
+
+            runtime.own_queue = own_queue(pool, runtime.worker_id)
+            runtime.consumer = ReliableConsumer(settings.CELERY_BROKER_URL, worker_id=runtime.worker_id, pool=pool,
+                                                own=runtime.own_queue, concurrency=opts["concurrency"],
+                                                tasks={generate.name: generate})
+        worker.start_heartbeat(runtime)  # listed (and registered) before the first job is taken
         connections.close_all()  # the hot path never touches the database
         m = runtime.engine.runner.memory
-        self.stdout.write(f"worker {runtime.worker_id}: queue {base.queue_name}, {opts['concurrency']} threads, "
+        queues = f"queues {runtime.own_queue} + {pool}" if redis_broker else f"queue {pool}"
+        self.stdout.write(f"worker {runtime.worker_id}{' (tenant ' + tenant.slug + ')' if tenant else ''}: {queues}, "
+                          f"{opts['concurrency']} threads, "
                           f"memory {m.budget_bytes / 1e9:.2f} GB = weights {m.weights_bytes / 1e9:.2f} + workspace "
                           f"{m.workspace_bytes / 1e9:.2f} + pool of {m.num_pages} pages x {m.page_bytes / 1e6:.3f} MB "
                           f"(KV blocks and adapters), metrics on http://{opts['metrics_addr']}:{port}/metrics",
                           ending="\n")
         self.stdout.flush()
 
+        if redis_broker:
+            self._consume(runtime, opts["loglevel"])
+            return
         from config.celery_app import app
-        from inference_worker import broker_hardening
 
-        broker_hardening.apply()  # a worker must survive a broker restart under traffic
         app.worker_main([
-            "worker", "--queues", base.queue_name, "--pool", "threads", "--concurrency", str(opts["concurrency"]),
+            "worker", "--queues", pool, "--pool", "threads", "--concurrency", str(opts["concurrency"]),
             "--hostname", runtime.worker_id, "--loglevel", opts["loglevel"],
             "--without-gossip", "--without-mingle", "--without-heartbeat",
         ])
+
+    def _consume(self, runtime, loglevel: str) -> None:
+        """Run the reliable consumer until SIGTERM or SIGINT, then stop cleanly: no new jobs, running ones
+        finish (up to STOP_GRACE_S), what is left goes back to the pool's queue."""
+        logging.getLogger().setLevel(loglevel.upper())
+        logging.getLogger("inference_worker").setLevel(loglevel.upper())
+        stop = threading.Event()
+
+        def on_signal(signum, _frame) -> None:
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        runtime.consumer.start()
+        while not stop.wait(1.0):
+            pass
+        self.stdout.write(f"worker {runtime.worker_id}: stopping")
+        self.stdout.flush()
+        runtime.stopping.set()
+        runtime.consumer.stop(grace_s=STOP_GRACE_S)
+        runtime.engine.stop()

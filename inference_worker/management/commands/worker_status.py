@@ -1,7 +1,9 @@
 """`manage.py worker_status`: each live worker, its base, and the adapters resident on it.
 
 Read from the heartbeats workers publish every few seconds (Redis in production, files under var/
-on the embedded default); a worker silent for 15 s is not listed.
+on the embedded default); a worker silent for one heartbeat TTL (15 s by default) is not listed. The
+gateway routes from the same heartbeats: `pool` is the queue the worker shares with its pool (the base's,
+or one tenant's dedicated pool), `own` the queue of the adapters it owns.
 """
 from __future__ import annotations
 
@@ -30,10 +32,17 @@ class Command(BaseCommand):
         for w in workers:
             age = time.time() - float(w.get("seen_at", 0))
             self.stdout.write(
-                f"{w['worker_id']}  base={w['base']} ({w['base_sha256'][:12]})  queue={w['queue']}  "
+                f"{w['worker_id']}  base={w['base']} ({w['base_sha256'][:12]})  pool={w.get('pool_queue', w['queue'])}"
+                f"{'  tenant=' + w['tenant'] if w.get('tenant') else ''}  "
                 f"device={w['device']}  running={w['running']}  waiting={w['queue_depth']}  "
-                f"tokens={w['tokens_generated']}  metrics=:{w.get('metrics_port')}  seen {age:.0f}s ago"
+                f"tokens={w.get('tokens_generated', 0)}  metrics=:{w.get('metrics_port')}  seen {age:.0f}s ago"
             )
+            consumer = w.get("consumer")
+            if consumer:
+                self.stdout.write(
+                    f"    own queue {w.get('own_queue')}: jobs taken {consumer['taken_own']} own + "
+                    f"{consumer['taken_pool']} from the pool, {consumer['in_flight']} in flight; "
+                    f"{consumer['reclaimed']} reclaimed from dead workers")
             mem = w.get("memory") or {}
             if mem:
                 self.stdout.write(
