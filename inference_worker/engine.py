@@ -49,7 +49,6 @@ from typing import cast
 
 import torch
 
-from protocol import jobs
 from protocol.errors import ErrorCode
 from protocol.jobs import Choice, GenerationJob, GenerationResult
 
@@ -343,11 +342,11 @@ class Engine:
             except Exception:  # a bug must not kill the worker: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 for req in list(self._running):
-                    self._fail(req, jobs.INTERNAL_ERROR, "the engine failed while running this request")
+                    self._fail(req, ErrorCode.INTERNAL_ERROR, "the engine failed while running this request")
                 self._running = [r for r in self._running if not r.done]
         self._drain_inbox()
         for req in list(self._running) + list(self._waiting):
-            self._fail(req, jobs.ENGINE_STOPPED, "the engine stopped before this request finished")
+            self._fail(req, ErrorCode.ENGINE_STOPPED, "the engine stopped before this request finished")
         self._running, self._waiting = [], deque()
         self._closed = True
         self._fail_inbox()
@@ -358,7 +357,7 @@ class Engine:
             if msg[0] == "submit":
                 handle, job = msg[1], msg[2]
                 handle._finish(GenerationResult(request_id=job.request_id, status="error",
-                                                error_code=jobs.ENGINE_STOPPED,
+                                                error_code=ErrorCode.ENGINE_STOPPED,
                                                 error_message="the engine is not running"))
 
     def _take_inbox(self) -> Iterator[tuple]:
@@ -375,7 +374,7 @@ class Engine:
             else:
                 req = self._by_handle.get(id(msg[1]))
                 if req is not None and not req.done:
-                    self._finish(req, "cancelled", error=(jobs.CANCELLED, "cancelled by the caller"))
+                    self._finish(req, "cancelled", error=(ErrorCode.CANCELLED, "cancelled by the caller"))
                     self._running = [r for r in self._running if not r.done]
 
     def _accept(self, handle: RequestHandle, job: GenerationJob) -> None:
@@ -388,7 +387,7 @@ class Engine:
             err = self._prepare(req)
         except Exception as exc:  # e.g. the tokenizer refusing the input: this request only
             log.exception("preparing request %s failed", job.request_id)
-            err = (jobs.INVALID_REQUEST, f"the prompt could not be prepared: {exc}")
+            err = (ErrorCode.INVALID_REQUEST, f"the prompt could not be prepared: {exc}")
         if err is not None:
             self._fail(req, *err)
         else:
@@ -414,32 +413,32 @@ class Engine:
         if problem is None and job.prompt_logprobs is not None and not 0 <= int(job.prompt_logprobs) <= 20:
             problem = "prompt_logprobs must be in 0..20"
         if problem is not None:
-            return jobs.INVALID_REQUEST, problem
+            return ErrorCode.INVALID_REQUEST, problem
         if job.adapter is not None and not self.lora_enabled:
-            return jobs.ADAPTER_LOAD_FAILED, "this worker runs with LoRA disabled and serves the base model only"
+            return ErrorCode.ADAPTER_LOAD_FAILED, "this worker runs with LoRA disabled and serves the base model only"
         if job.prompt_token_ids is not None:
             ids = [int(t) for t in job.prompt_token_ids]
         else:
             ids = self.tokenizer.encode(job.prompt or "", add_special_tokens=True)
         if not ids:
-            return jobs.INVALID_REQUEST, "the prompt is empty"
+            return ErrorCode.INVALID_REQUEST, "the prompt is empty"
         if any(t < 0 or t >= vocab for t in ids):
-            return jobs.INVALID_REQUEST, f"prompt token ids must be in 0..{vocab - 1}"
+            return ErrorCode.INVALID_REQUEST, f"prompt token ids must be in 0..{vocab - 1}"
         req.prompt_ids = ids
         if len(ids) + job.max_tokens > self.max_context:
-            return jobs.PROMPT_TOO_LONG, (
+            return ErrorCode.PROMPT_TOO_LONG, (
                 f"prompt of {len(ids)} tokens + max_tokens {job.max_tokens} exceeds the context of {self.max_context}"
             )
         need = self._blocks_needed(req)
         if need > self.total_blocks:
             choices = f" for each of {job.n} choices" if job.n > 1 else ""
-            return jobs.PROMPT_TOO_LONG, (
+            return ErrorCode.PROMPT_TOO_LONG, (
                 f"prompt of {len(ids)} tokens + max_tokens {job.max_tokens}{choices} needs more KV cache than this "
                 f"worker has")
         if job.adapter is not None and not self.runner.lora.fixed_pages:
             pages = self._adapters.pages_for(job.adapter)
             if pages + need > self.total_blocks:
-                return jobs.ADAPTER_TOO_LARGE, (
+                return ErrorCode.ADAPTER_TOO_LARGE, (
                     f"adapter {job.adapter.name or job.adapter.sha256[:12]} (rank {job.adapter.rank}) takes {pages} "
                     f"pages of this worker's memory pool; with this request's {need} KV blocks that exceeds the "
                     f"pool's {self.total_blocks} pages")
@@ -503,7 +502,7 @@ class Engine:
         if ref is not None and req.ident is None:
             got = self._adapters.acquire(ref, req.key)
             if got.state == FAILED:
-                self._fail(req, got.error_code or jobs.ADAPTER_LOAD_FAILED, got.error_message or "")
+                self._fail(req, got.error_code or ErrorCode.ADAPTER_LOAD_FAILED, got.error_message or "")
                 return "failed"
             if got.state == LOADING:
                 return "loading"
@@ -578,7 +577,7 @@ class Engine:
             if req.done:
                 continue
             if i in failed:
-                self._fail(req, jobs.INTERNAL_ERROR, f"the forward pass failed for this request: {failed[i]}")
+                self._fail(req, ErrorCode.INTERNAL_ERROR, f"the forward pass failed for this request: {failed[i]}")
                 continue
             if seq is not None:
                 seq.num_computed += 1
@@ -592,7 +591,7 @@ class Engine:
                     self._add_prompt_logprobs(req, step, prompt_logits[i])
             except Exception as exc:  # this request only
                 log.exception("prompt logprobs of request %s failed", req.job.request_id)
-                self._fail(req, jobs.INTERNAL_ERROR, f"computing prompt logprobs failed: {exc!r}")
+                self._fail(req, ErrorCode.INTERNAL_ERROR, f"computing prompt logprobs failed: {exc!r}")
                 continue
             req.prefilled += n
             if req.prefilled >= len(req.prompt_ids):  # the prompt is in: every sequence samples from this row
@@ -612,14 +611,14 @@ class Engine:
                     continue
                 if row in out.failed:
                     bad = out.failed[row]
-                    code = jobs.NON_FINITE_LOGITS if isinstance(bad, NonFiniteLogits) else jobs.INTERNAL_ERROR
+                    code = ErrorCode.NON_FINITE_LOGITS if isinstance(bad, NonFiniteLogits) else ErrorCode.INTERNAL_ERROR
                     self._fail(req, code, str(bad) or repr(bad))
                     continue
                 try:
                     self._on_token(seq, tok, out.logprobs.get(row), now)
                 except Exception as exc:  # detokenization or a stop check failing: this request only
                     log.exception("request %s failed after its forward pass", req.job.request_id)
-                    self._fail(req, jobs.INTERNAL_ERROR, f"post-processing a token failed: {exc!r}")
+                    self._fail(req, ErrorCode.INTERNAL_ERROR, f"post-processing a token failed: {exc!r}")
         self._running = [r for r in self._running if not r.done]
         self.metrics.record_step(
             batch_size=len(steps), tokens=sum(len(s.token_ids) for s in steps),
@@ -736,7 +735,7 @@ class Engine:
                 if reason != "cancelled" and seq.text is not None:
                     seq.text.flush()
         req.live = 0
-        self._release(req, scrub=error is not None and error[0] != jobs.CANCELLED)
+        self._release(req, scrub=error is not None and error[0] != ErrorCode.CANCELLED)
         if req.counted:  # it was waiting or running: its tenant has one request fewer in the engine
             req.counted = False
             self._active[req.job.tenant] -= 1
@@ -745,7 +744,7 @@ class Engine:
         job = req.job
         if error is None:
             self.metrics.requests_finished += 1
-        elif error[0] == jobs.CANCELLED:
+        elif error[0] == ErrorCode.CANCELLED:
             self.metrics.requests_cancelled += 1
         else:
             self.metrics.requests_failed += 1

@@ -16,18 +16,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .errors import ErrorCode
 from .lora_layout import peft_scale
 
-# The codes a GenerationResult may carry are ErrorCode's members (protocol/errors.py: each with its HTTP
-# status). The engine names them `jobs.<NAME>`; these are the same members, not strings of their own.
-ADAPTER_INTEGRITY_ERROR = ErrorCode.ADAPTER_INTEGRITY_ERROR
-ADAPTER_LOAD_FAILED = ErrorCode.ADAPTER_LOAD_FAILED
-PROMPT_TOO_LONG = ErrorCode.PROMPT_TOO_LONG
-ADAPTER_TOO_LARGE = ErrorCode.ADAPTER_TOO_LARGE
-NON_FINITE_LOGITS = ErrorCode.NON_FINITE_LOGITS
-INVALID_REQUEST = ErrorCode.INVALID_REQUEST
-CANCELLED = ErrorCode.CANCELLED
-ENGINE_STOPPED = ErrorCode.ENGINE_STOPPED
-INTERNAL_ERROR = ErrorCode.INTERNAL_ERROR
-
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 

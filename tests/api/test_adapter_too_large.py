@@ -9,7 +9,8 @@ import pytest
 
 from gateway.models import AuditRecord
 from gateway.responses import public_worker_id
-from protocol.jobs import ADAPTER_TOO_LARGE, GenerationResult
+from protocol.errors import ErrorCode
+from protocol.jobs import GenerationResult
 
 pytestmark = pytest.mark.django_db
 
@@ -19,7 +20,7 @@ WORKER_MESSAGE = ("adapter support-bot (rank 64) takes 40 pages of this worker's
 
 
 def _refuse_too_large(job, meta):
-    result = GenerationResult(request_id=job.request_id, status="error", error_code=ADAPTER_TOO_LARGE,
+    result = GenerationResult(request_id=job.request_id, status="error", error_code=ErrorCode.ADAPTER_TOO_LARGE,
                               error_message=WORKER_MESSAGE)
     return [{"type": "final", "result": result.to_dict(), "worker_id": "w7", "attempts": 1}]
 
@@ -67,10 +68,8 @@ def test_the_schema_and_the_docs_page_list_it(api, client):
 def test_non_finite_logits_is_a_422_about_the_adapter(api, post):
     """Issue 12: an adapter whose weights overflow at its scale fails only its own request, and the caller is
     told it is the adapter to fix (a 4xx), never a 5xx that invites a retry."""
-    from protocol.jobs import NON_FINITE_LOGITS
-
     def refuse(job, meta):
-        result = GenerationResult(request_id=job.request_id, status="error", error_code=NON_FINITE_LOGITS,
+        result = GenerationResult(request_id=job.request_id, status="error", error_code=ErrorCode.NON_FINITE_LOGITS,
                                   error_message="the model produced non-finite logits (NaN or inf) for this request")
         return [{"type": "final", "result": result.to_dict(), "worker_id": "w7", "attempts": 1}]
 
