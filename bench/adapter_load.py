@@ -40,9 +40,8 @@ from protocol.lora_layout import ModelShape  # noqa: E402
 from protocol.memory import adapter_pages, page_elements  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HEADS, RANK = 4096, 11008, 32, 32, 16
-SHAPES = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (HIDDEN, HIDDEN), "v_proj": (HIDDEN, HIDDEN),
-          "o_proj": (HIDDEN, HIDDEN), "gate_proj": (HIDDEN, INTER), "up_proj": (HIDDEN, INTER),
-          "down_proj": (INTER, HIDDEN)}
+SHAPES = ModelShape(num_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=INTER, num_heads=HEADS,
+                    num_kv_heads=HEADS, head_dim=HIDDEN // HEADS).projections()  # Llama-2-7B
 
 
 class PoolOnlyRunner:

@@ -26,13 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import LoraMapping, LoraTable, add_lora  # noqa: E402
 from kernels.testing import random_pool  # noqa: E402
+from protocol.lora_layout import ModelShape  # noqa: E402
 
 HIDDEN, INTERMEDIATE, RANK = 4096, 11008, 16
-PROJECTIONS = {  # name: (d_in, d_out)
-    "q_proj": (HIDDEN, HIDDEN), "k_proj": (HIDDEN, HIDDEN), "v_proj": (HIDDEN, HIDDEN),
-    "o_proj": (HIDDEN, HIDDEN), "gate_proj": (HIDDEN, INTERMEDIATE), "up_proj": (HIDDEN, INTERMEDIATE),
-    "down_proj": (INTERMEDIATE, HIDDEN),
-}
+PROJECTIONS = ModelShape(num_layers=32, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_heads=32,
+                         num_kv_heads=32, head_dim=128).projections()  # name: (d_in, d_out), Llama-2-7B
 TOKENS = (1, 16, 64, 256)
 ADAPTERS = (1, 8, 32, 64)
 SLOTS = 64

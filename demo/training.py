@@ -43,12 +43,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from protocol.lora_layout import ATTENTION_MODULES, TARGET_MODULES
+
 from .styles import CORPUS_DIR, STYLES, style_examples
 from .tiny_base import build_tiny_base
 
 MARKER = "training.json"  # written last into a trained folder: its presence means "complete"
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-ALL_LINEAR = ATTENTION + ("gate_proj", "up_proj", "down_proj")
+ATTENTION, ALL_LINEAR = ATTENTION_MODULES, TARGET_MODULES
 
 _WORD = re.compile(r"[A-Za-z']+")
 
