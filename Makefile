@@ -77,7 +77,7 @@ demo: demo-setup
 	@bash scripts/run_demo.sh $(DEMO_HOST) $(DEMO_PORT)
 
 faults: install
-	LORAFLEET_FAULTS_FULL=1 $(PY) -m pytest -q tests/reliability $(PYTEST_ARGS)
+	LORAFLEET_FAULTS_FULL=1 $(PY) -m pytest -q tests/reliability tests/e2e/test_many_workers.py $(PYTEST_ARGS)
 
 bench: install
 	$(PY) bench/kernels.py
