@@ -8,14 +8,16 @@ decode FLOPs at the rate of the decode batch (`decode_rows`, the 64 concurrent r
 a system's generated tok/s over the generated tokens per second that time allows. Attention, norms,
 sampling and the scheduler are not in it: they are what a system spends beyond the limit.
 
-The rate at each row count is measured, per weight shape, with two GEMMs and the faster one kept:
-- `F.linear` (MKL's sgemm through aten), what the runner calls by default;
-- oneDNN with the weight packed once into its blocked layout for that row count
-  (`torch.ops.mkldnn._reorder_linear_weight(w, rows)`, then `torch.ops.mkldnn._linear_pointwise(x, w_packed,
-  bias, "none", [], "")`) — what inductor's CPU freezing pass emits and vLLM-CPU's `onednn_mm` does.
+The rate at each row count is measured, per weight shape, with three fp32 GEMMs and the fastest kept:
+- `F.linear` (MKL's sgemm through aten);
+- `onednn`: oneDNN's brgemm on the weight as stored (`torch.ops.mkldnn._linear_pointwise(x, w, bias, "none",
+  [], "")` accepts a plain strided weight and reads it in place);
+- `onednn_packed`: oneDNN with the weight packed once into its blocked layout for that row count
+  (`torch.ops.mkldnn._reorder_linear_weight(w, rows)`, then `_linear_pointwise` on it) — what inductor's CPU
+  freezing pass emits and vLLM-CPU's `onednn_mm` does.
 Each shape is timed over one distinct weight per layer (as a forward pass reads them: weights stream from
-memory, not from cache), best of `repeats` passes, the two GEMMs alternating so load on shared CPUs tilts
-neither. Other work on the CPUs only ever slows a GEMM down, so the best pass is the machine's rate.
+memory, not from cache), best of `repeats` passes, the GEMMs alternating so load on shared CPUs tilts none.
+Other work on the CPUs only ever slows a GEMM down, so the best pass is the machine's rate.
 
 FLOPs counted per request (P prompt tokens, G generated): prefill = P tokens through every layer's
 projections; decode = G - 1 tokens through them (the first generated token comes out of the prefill) plus
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-IMPLS = ("F.linear", "onednn_packed")
+IMPLS = ("F.linear", "onednn", "onednn_packed")
 
 
 def onednn_available() -> bool:
@@ -79,7 +81,7 @@ def _packed(w: torch.Tensor, rows: int) -> torch.Tensor:
 def _run(impl: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if impl == "F.linear":
         return F.linear(x, w)
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # onednn (w plain) and onednn_packed
 
 
 @torch.inference_mode()
@@ -94,7 +96,7 @@ def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None
     best_t: dict[tuple[str, str], float] = {}
     for name, n, o, count in shapes:
         ws = [torch.randn(o, n, generator=g) / n ** 0.5 for _ in range(count)]
-        weights = {"F.linear": ws}
+        weights = {"F.linear": ws, "onednn": ws}
         if "onednn_packed" in impls:
             weights["onednn_packed"] = [_packed(w, rows) for w in ws]
         x = torch.randn(rows, n, generator=g)

@@ -199,6 +199,51 @@ class StepContext:
     lora: StepLora | None
 
 
+def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN's fp32 GEMM on pre-packed weights: CPU, fp32, and a torch built with oneDNN's linear ops."""
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class Projection:
+    """A projection's weight [out, in] (and bias), and the GEMM that multiplies by it.
+
+    On CPU in fp32 the GEMMs run on oneDNN (brgemm) through `torch.ops.mkldnn._linear_pointwise` instead of
+    F.linear's MKL sgemm (which on this project's AMD CPUs ran 2-4x slower at the model's shapes; bench/limits.py
+    measures both). `pack_rows` given: the weight is reordered ONCE into oneDNN's blocked layout (AB16b64a on
+    AVX-512), what inductor's CPU freezing pass emits and vLLM-CPU's onednn_mm does; the layout does not depend on
+    the row count (the hint only picks it), so one packed copy serves decode and prefill. `onednn` without
+    `pack_rows`: oneDNN on the weight as stored (a tied LM head is also the embedding table, which must stay a
+    plain tensor; packing a copy would cost its size again). The output is an ordinary dense tensor, so LoRA's
+    column views of fused outputs work as before. Neither: F.linear / addmm_ (other devices and dtypes, or
+    packed_weights=False).
+    """
+
+    __slots__ = ("weight", "bias", "onednn")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack_rows: int | None = None,
+                 onednn: bool = False):
+        self.bias = bias
+        self.onednn = onednn or pack_rows is not None
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, pack_rows) if pack_rows is not None else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b."""
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out + x @ W^T + b, the residual add fused into the GEMM: oneDNN's binary-add post-op (a new tensor),
+        or BLAS beta = 1 into `out` in place. Use the returned tensor."""
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, out, self.weight, self.bias, "add")
+        out.addmm_(x, self.weight.t())
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out
+
+
 class Block:
     """One decoder layer: pre-norm attention and SwiGLU MLP, each with a residual."""
 
@@ -209,21 +254,22 @@ class Block:
         self.kv_dim = cfg.num_kv_heads * cfg.head_dim
         self.input_norm = w["input_layernorm.weight"]  # [hidden]
         self.post_norm = w["post_attention_layernorm.weight"]  # [hidden]
-        self.w_qkv = torch.cat([w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"],
-                                w["self_attn.v_proj.weight"]]).contiguous()  # [q_dim + 2 kv_dim, hidden]
+        w_qkv = torch.cat([w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"],
+                           w["self_attn.v_proj.weight"]]).contiguous()  # [q_dim + 2 kv_dim, hidden]
         biases = [w.get(f"self_attn.{p}.bias") for p in ("q_proj", "k_proj", "v_proj")]
-        self.b_qkv = None
+        b_qkv = None
         if any(b is not None for b in biases):  # Qwen2 (or Llama with attention_bias)
             dims = (self.q_dim, self.kv_dim, self.kv_dim)
-            self.b_qkv = torch.cat([b if b is not None else torch.zeros(d, dtype=self.w_qkv.dtype,
-                                                                        device=self.w_qkv.device)
-                                    for b, d in zip(biases, dims, strict=True)])
-        self.w_o = w["self_attn.o_proj.weight"]  # [hidden, q_dim]
-        self.b_o = w.get("self_attn.o_proj.bias")
-        self.w_gate_up = torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]).contiguous()
-        self.w_down = w["mlp.down_proj.weight"]  # [hidden, intermediate]
+            b_qkv = torch.cat([b if b is not None else torch.zeros(d, dtype=w_qkv.dtype, device=w_qkv.device)
+                               for b, d in zip(biases, dims, strict=True)])
         if any(f"mlp.{p}.bias" in w for p in ("gate_proj", "up_proj", "down_proj")):
             raise ValueError("MLP biases (mlp_bias=True) are not supported")
+        pack = runner.pack_rows
+        self.qkv = Projection(w_qkv, b_qkv, pack_rows=pack)  # fused q/k/v
+        self.o = Projection(w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"), pack_rows=pack)
+        self.gate_up = Projection(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]).contiguous(),
+                                  pack_rows=pack)  # [2 intermediate, hidden]
+        self.down = Projection(w["mlp.down_proj.weight"], pack_rows=pack)  # [hidden, intermediate]
         self.window = cfg.sliding_windows[layer]
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -231,7 +277,7 @@ class Block:
         T = x.shape[0]
         # --- attention ---
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)  # [T, hidden]
-        qkv = F.linear(h, self.w_qkv, self.b_qkv)  # [T, q_dim + 2 kv_dim]
+        qkv = self.qkv(h)  # [T, q_dim + 2 kv_dim]
         q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
         if lora is not None:
             lora.add(qkv[:, :q_end], h, layer, "q_proj")
@@ -244,22 +290,20 @@ class Block:
         kv = self.runner.kv
         kv.write(layer, ctx.write_rows, k, v)
         y = self.attend(q, k, v, ctx)  # [T, q_dim]
-        # Residual adds fused into the GEMMs: x += y @ W_o^T in place (BLAS beta = 1), no [T, hidden]
-        # temporary and no separate add pass. x is this forward's own activation (never a weight).
-        x.addmm_(y, self.w_o.t())
-        if self.b_o is not None:
-            x.add_(self.b_o)
+        # Residual adds fused into the GEMMs (x + y @ W_o^T): no [T, hidden] temporary and no separate add pass.
+        # x is this forward's own activation (never a weight).
+        x = self.o.add_to(x, y)
         if lora is not None:
             lora.add(x, y, layer, "o_proj")
         # --- MLP ---
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        gu = F.linear(h, self.w_gate_up)  # [T, 2 * intermediate]
+        gu = self.gate_up(h)  # [T, 2 * intermediate]
         inter = cfg.intermediate_size
         if lora is not None:
             lora.add(gu[:, :inter], h, layer, "gate_proj")
             lora.add(gu[:, inter:], h, layer, "up_proj")
         a = F.silu(gu[:, :inter]).mul_(gu[:, inter:])  # [T, intermediate]
-        x.addmm_(a, self.w_down.t())  # x += a @ W_down^T
+        x = self.down.add_to(x, a)  # x + a @ W_down^T
         if lora is not None:
             lora.add(x, a, layer, "down_proj")
         return x
@@ -324,7 +368,8 @@ class ModelRunner:
     def __init__(self, checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, block_size: int = 16, max_lora_rank: int = 64,
                  enable_lora: bool = True, memory_bytes: int | None = None, pool_pages: int | None = None,
-                 max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0) -> None:
+                 max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0,
+                 packed_weights: bool | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -341,12 +386,23 @@ class ModelRunner:
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens or (256 + max_running)
 
+        # The projections' and LM head's GEMMs on oneDNN, weights pre-packed (see Projection): by default wherever
+        # it is available; packed_weights=False keeps F.linear (A/B in bench/peers.py --packing-ab).
+        if packed_weights is None:
+            packed_weights = onednn_packing_available(self.device, self.dtype)
+        elif packed_weights and not onednn_packing_available(self.device, self.dtype):
+            raise ValueError("packed_weights=True needs a CPU runner in fp32 and a torch built with oneDNN")
+        self.pack_rows: int | None = max_running if packed_weights else None  # the layout hint: the decode batch
         w = self._read_weights()
         self.weights_bytes = sum(t.numel() * t.element_size() for t in w.values())
         self.embed = w.pop("model.embed_tokens.weight")  # [vocab, hidden]
         self.final_norm = w.pop("model.norm.weight")
         head = w.pop("lm_head.weight", None)
-        self.lm_head: torch.Tensor = self.embed if head is None or cfg.tie_word_embeddings else head  # [vocab, hidden]
+        # The LM head [vocab, hidden]: packed like the projections unless it is the embedding table itself.
+        if head is None or cfg.tie_word_embeddings:
+            self.head = Projection(self.embed, onednn=packed_weights)
+        else:
+            self.head = Projection(head, pack_rows=self.pack_rows)
         self.blocks = []
         for i in range(cfg.num_layers):
             prefix = f"model.layers.{i}."
@@ -573,4 +629,4 @@ class ModelRunner:
         return self._head(x), extra  # [steps, vocab]
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
+        return self.head(rms_norm(x, self.final_norm, self.config.rms_norm_eps)).float()
