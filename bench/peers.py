@@ -61,6 +61,15 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
+def cpu_seconds() -> float:
+    """CPU time this process has used, all threads (user + system). Per pass, a figure other processes on the
+    CPUs disturb far less than the wall clock: they take cores away, not work."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The vLLM venv
 
@@ -128,10 +137,10 @@ def vllm_worker(spec_path: str, result_fd: int) -> None:
 
         def run(mode: str, prompts=prompts):
             lr = [loras[a] for a in spec["adapter_of"]][:len(prompts)] if mode == "fleet" else None
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             outs = llm.generate(prompts, params, lora_request=lr, use_tqdm=False)
-            wall = time.perf_counter() - t0
-            return wall, [list(o.outputs[0].token_ids) for o in outs]
+            wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+            return wall, cpu, [list(o.outputs[0].token_ids) for o in outs]
 
         run("fleet", prompts[:4])  # warm-up: first-call costs and the drawn adapters' loads out of the timing
         run("base", prompts[:4])
@@ -147,8 +156,8 @@ def vllm_worker(spec_path: str, result_fd: int) -> None:
         if cmd == "quit":
             break
         try:
-            wall, tokens = run(cmd)
-            answer({"wall_s": wall, "tokens": tokens, "load": load()})
+            wall, cpu, tokens = run(cmd)
+            answer({"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "load": load()})
         except Exception as e:
             answer({"error": f"{type(e).__name__}: {e}"})
 
@@ -199,6 +208,7 @@ class VLLM:
         res = self._read()
         if "wall_s" not in res:
             raise RuntimeError(f"vLLM {mode} pass failed: {res.get('error')}\n{res.get('traceback', '')}")
+        self.last_cpu = res["cpu_s"]
         return res["wall_s"], res["tokens"]
 
     def close(self) -> None:
@@ -443,6 +453,7 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
               ("lorafleet", "fleet"), ("vllm", "fleet"), ("peft", "fleet")]
     passes = [p for p in passes if p[0] in systems]
     best: dict[tuple[str, str], tuple[float, list]] = {}
+    best_cpu: dict[tuple[str, str], float] = {}
     rates = [None, None]
     generated = len(w.prompts) * w.new_tokens
     for rnd in range(rounds):
@@ -451,14 +462,18 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
         print(f"round {rnd + 1}/{rounds}: GEMM {pre.line()}\n{'':11s}GEMM {dec.line()}", flush=True)
         result["passes"].append({"gemm_512": pre.best / 1e9, "gemm_decode": dec.best / 1e9, "load": pre.load_average})
         for sysname, mode in passes:
-            l0 = load()
+            l0, c0 = load(), cpu_seconds()
             wall, tokens = systems[sysname].timed(mode)
             l1 = load()
-            result["passes"].append({"system": sysname, "mode": mode, "tok_s": generated / wall, "load": (l0 + l1) / 2})
-            print(f"  {sysname:10s} {mode:6s} {generated / wall:8.1f} tok/s  (load average {l0:.1f} -> {l1:.1f})",
-                  flush=True)
+            # vLLM's CPU time is its own process's (this one waits on a pipe meanwhile); the others run in this one
+            cpu = systems[sysname].last_cpu if sysname == "vllm" else cpu_seconds() - c0
+            result["passes"].append({"system": sysname, "mode": mode, "tok_s": generated / wall, "cpu_s": cpu,
+                                     "load": (l0 + l1) / 2})
+            print(f"  {sysname:10s} {mode:6s} {generated / wall:8.1f} tok/s, {cpu:6.1f} CPU-s = {generated / cpu:7.1f} "
+                  f"tok per CPU-s  (load average {l0:.1f} -> {l1:.1f})", flush=True)
             if (sysname, mode) not in best or wall < best[sysname, mode][0]:
                 best[sysname, mode] = (wall, tokens)
+            best_cpu[sysname, mode] = min(best_cpu.get((sysname, mode), float("inf")), cpu)
     for s in systems.values():
         s.close()
 
@@ -466,7 +481,8 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
     print(f"\n{limit.describe()} (fastest GEMM rates of the run)", flush=True)
     tok_s = {k: generated / v[0] for k, v in best.items()}
     ref = {"base": best["hf", "base"][1], "fleet": best["peft", "fleet"][1]}
-    print(f"{'system':10s} {'base-only':>10s} {'fleet':>8s} {'fleet/base':>10s} {'of limit':>9s}  same tokens as HF / PEFT")
+    print(f"{'system':10s} {'base-only':>10s} {'fleet':>8s} {'fleet/base':>10s} {'of limit':>9s} {'tok/CPU-s':>17s}  "
+          f"same tokens as HF / PEFT\n{'':10s} {'tok/s':>10s} {'tok/s':>8s} {'':10s} {'':9s} {'base / fleet':>17s}")
     result["systems"] = {}
     for sysname, label in (("lorafleet", "lorafleet"), ("vllm", "vLLM-CPU"), ("hf", "HF"), ("peft", "PEFT")):
         row = {m: tok_s.get((sysname, m)) for m in ("base", "fleet")}
@@ -481,10 +497,15 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
                 if (sysname, m) in best}
         ratio = row["fleet"] / row["base"] if row["base"] and row["fleet"] else None
         of_limit = limit.of_limit(row["base"]) if row["base"] else None
-        print(f"{label:10s} {row['base'] or 0:10.1f} {row['fleet'] or 0:8.1f} {ratio or 0:10.2f} {of_limit or 0:9.2f}  "
+        keys = [("hf", "base"), ("peft", "fleet")] if sysname == "hf" else [(sysname, "base"), (sysname, "fleet")]
+        per_cpu = {m: generated / best_cpu[k] if k in best_cpu else None
+                   for k, m in zip(keys, ("base", "fleet"), strict=True)}
+        print(f"{label:10s} {row['base'] or 0:10.1f} {row['fleet'] or 0:8.1f} {ratio or 0:10.2f} {of_limit or 0:9.2f} "
+              f"{per_cpu['base'] or 0:8.1f} / {per_cpu['fleet'] or 0:6.1f}  "
               + ("(reference)" if sysname == "hf" else " / ".join(f"{same[m]}/{len(ref[m])}" for m in ("base", "fleet"))),
               flush=True)
         result["systems"][sysname] = {"base_tok_s": row["base"], "fleet_tok_s": row["fleet"], "fleet_vs_base": ratio,
+                                      "base_tok_per_cpu_s": per_cpu["base"], "fleet_tok_per_cpu_s": per_cpu["fleet"],
                                       "base_of_limit": of_limit,
                                       "same_as_ref": None if sysname == "hf" else same}
     result["limit"] = limit.as_dict()
