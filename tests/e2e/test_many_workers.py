@@ -423,11 +423,16 @@ def test_a_dedicated_tenant_is_served_only_by_its_own_worker(fleet):
 
     # without its worker, the tenant's requests wait (and time out, recorded) — never served by the shared pool
     dedicated.proc.kill(signal.SIGKILL)
-    before = {s["worker_id"]: dict(s["tasks"]) for s in live(fl, {w.proc.popen.pid for w in shared})}
+    # the shared workers' counts once their heartbeats show all 20 shared jobs (a heartbeat can lag the answers)
+    def shared_counts() -> dict[str, dict[str, int]]:
+        return {s["worker_id"]: dict(s["tasks"]) for s in live(fl, {w.proc.popen.pid for w in shared})}
+
+    before = wait_until(lambda: (c := shared_counts()) and sum(sum(t.values()) for t in c.values()) >= 20 and c,
+                        10, "the shared workers' heartbeats after the traffic")
     lonely = send(tenant["key"], "d-0", 2, timeout="3")
     assert [r.status_code for r in lonely] == [504, 504], [r.text[:200] for r in lonely]
     time.sleep(HEARTBEAT_S * 1.5)
-    after = {s["worker_id"]: dict(s["tasks"]) for s in live(fl, {w.proc.popen.pid for w in shared})}
+    after = shared_counts()
     assert after == before
     print(f"\ndedicated pool: tenant {tenant['slug']}: 20/20 answered by {dedicated.worker_id}; the shared tenant's 20 by "
           f"{dict(answered_by['shared'])}; with its worker killed, 2/2 requests 504 and the shared workers ran none")
