@@ -314,6 +314,11 @@ class Lorafleet:
                               ignore_eos=True) for k, p in enumerate(self.w.prompts)]
 
     def timed(self, mode: str) -> tuple[float, list[list[int]]]:
+        try:  # HF/PEFT passes ran on this thread: its OpenMP team goes, the engine's stays the only one
+            from inference_worker.openmp import release_thread_team
+            release_thread_team()
+        except ImportError:  # before inference_worker/openmp.py
+            pass
         t = time.perf_counter()
         results = [h.result(1800) for h in [self.engine.submit(j) for j in self._jobs(mode, "run")]]
         wall = time.perf_counter() - t

@@ -44,6 +44,7 @@ from protocol.lora_layout import ModelShape, parse_peft_name
 from protocol.safetensors_check import SafetensorsError, read_layout  # Django-free, torch-free
 
 from .lora import NoRoom
+from .openmp import release_thread_team
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -348,7 +349,15 @@ class AdapterCache:
             return slot
 
     def _load(self, ref: AdapterRef) -> HostAdapter:
-        """Loader thread: read, verify, parse, check. The hash runs beside the parse; the parse only reads
+        """Loader thread: `_read`, then give back the OpenMP team the checks may have made on this thread (the
+        engine's should be the only one: inference_worker/openmp.py)."""
+        try:
+            return self._read(ref)
+        finally:
+            release_thread_team()
+
+    def _read(self, ref: AdapterRef) -> HostAdapter:
+        """Read, verify, parse, check. The hash runs beside the parse; the parse only reads
         the checked header and views the buffer, and nothing is used unless the hash matches."""
         t0 = time.perf_counter()
         try:

@@ -55,6 +55,7 @@ from protocol.jobs import Choice, GenerationJob, GenerationResult
 from .adapter_cache import FAILED, LOADING, NO_ROOM, AdapterCache
 from .metrics import EngineMetrics
 from .model import SeqStep
+from .openmp import release_thread_team
 from .sampling import IncrementalText, NonFiniteLogits, SamplingParams, SequenceSampling, prompt_logprobs, sample_step
 
 log = logging.getLogger(__name__)
@@ -275,6 +276,9 @@ class Engine:
     def start(self) -> Engine:
         if self._thread is None:
             self._stopping = self._closed = False
+            # the engine thread's OpenMP team should be the process's only one (inference_worker/openmp.py):
+            # the starting thread, which typically built the model, gives its team back
+            release_thread_team()
             self._thread = threading.Thread(target=self._loop, name="lorafleet-engine", daemon=True)
             self._thread.start()
         return self
