@@ -218,7 +218,12 @@ LORAFLEET_MAX_UPLOAD_BYTES = env_int("LORAFLEET_MAX_UPLOAD_BYTES", 1024 * 1024 *
 LORAFLEET_DEFAULT_MAX_RANK = env_int("LORAFLEET_DEFAULT_MAX_RANK", 64)
 LORAFLEET_REQUEST_TIMEOUT_S = env_float("LORAFLEET_REQUEST_TIMEOUT_S", 60.0)
 LORAFLEET_MAX_TOKENS_CAP = env_int("LORAFLEET_MAX_TOKENS_CAP", 1024)
-LORAFLEET_WORKER_CONCURRENCY = env_int("LORAFLEET_WORKER_CONCURRENCY", 64)
+# A worker's task threads = the jobs it holds at once; its engine runs up to LORAFLEET_WORKER_MAX_RUNNING of
+# them and queues the rest, in fair order (VTC). The threads are twice a tenant's default concurrency cap, so one
+# tenant at its cap never holds every thread: another tenant's job still reaches the engine's scheduler instead
+# of waiting in Redis behind the flood (Tenant.clean refuses a cap at or above the threads).
+LORAFLEET_WORKER_CONCURRENCY = env_int("LORAFLEET_WORKER_CONCURRENCY", 128)
+LORAFLEET_WORKER_MAX_RUNNING = env_int("LORAFLEET_WORKER_MAX_RUNNING", 64)
 # The worker's memory budget in GB (base weights + workspace + the one pool of KV blocks and adapters);
 # unset: 0.90 of the device on CUDA, a quarter of RAM on CPU (run_worker --memory-fraction / --memory-gb).
 LORAFLEET_WORKER_MEMORY_GB = env_float("LORAFLEET_WORKER_MEMORY_GB", 0.0) or None

@@ -71,6 +71,7 @@ class WorkerRuntime:
             # the lists holding the jobs this worker has taken and not finished: the gateway's measure of its load
             "processing": self.consumer.spec()["processing"] if self.consumer is not None else [],
             "host": socket.gethostname(), "pid": os.getpid(), "device": self.device, "concurrency": self.concurrency,
+            "max_running": self.engine.max_running,
             "metrics_port": self.metrics_port, "started_at": self.started_at, "seen_at": time.time(),
             "running": stats.get("running", 0), "queue_depth": stats.get("queue_depth", 0),
             "steps": stats.get("steps", 0), "tokens_generated": stats.get("tokens_generated", 0),
@@ -142,11 +143,15 @@ def memory_budget(device: str, *, memory_fraction: float | None = None, memory_g
 
 
 def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_path: str, device: str | None = None,
-                  concurrency: int = 64, max_lora_rank: int = 64, memory_fraction: float | None = None,
+                  concurrency: int = 64, max_running: int | None = None, max_lora_rank: int = 64,
+                  memory_fraction: float | None = None,
                   memory_gb: float | None = None, prefill_chunk: int = 256, tenant: str = "",
                   tenant_id: str = "", worker_id: str | None = None,
                   host_cache_mb: float | None = None) -> WorkerRuntime:
-    """Load the base once and start the engine; the process-wide singleton every task uses."""
+    """Load the base once and start the engine; the process-wide singleton every task uses.
+
+    `concurrency` task threads hand jobs to the engine, which runs up to `max_running` sequences at once
+    (default: `concurrency`) and queues the rest in its scheduler's order."""
     global _runtime
     import torch
 
@@ -157,14 +162,15 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
         if _runtime is not None:
             return _runtime
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        max_running = concurrency if max_running is None else max_running
         started = time.perf_counter()
         budget = memory_budget(device, memory_fraction=memory_fraction, memory_gb=memory_gb)
         runner = ModelRunner(checkpoint_path, device=device, max_lora_rank=max_lora_rank, memory_bytes=budget,
-                             max_running=concurrency, max_batch_tokens=prefill_chunk + concurrency)
+                             max_running=max_running, max_batch_tokens=prefill_chunk + max_running)
         # the engine verifies each blob's sha256
         fair = os.environ.get("LORAFLEET_WORKER_FAIR", "1").lower() not in ("0", "false", "no")  # 0: FIFO
         host_cache = {} if host_cache_mb is None else {"host_cache_bytes": int(host_cache_mb * 1e6)}
-        engine = Engine(runner, load_blob, max_running=concurrency, prefill_chunk=prefill_chunk, fair=fair,
+        engine = Engine(runner, load_blob, max_running=max_running, prefill_chunk=prefill_chunk, fair=fair,
                         **host_cache)
         engine.start()
         _runtime = WorkerRuntime(base_slug=base_slug, base_sha256=base_sha256, queue=queue,

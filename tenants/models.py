@@ -40,6 +40,18 @@ class Tenant(models.Model):
     def __str__(self) -> str:
         return self.slug
 
+    def clean(self) -> None:
+        """A tenant's concurrency cap stays below a worker's task threads: at the cap, one tenant would hold every
+        thread, and other tenants' jobs would wait in the queue where no fair scheduler sees them."""
+        from django.core.exceptions import ValidationError
+
+        threads = settings.LORAFLEET_WORKER_CONCURRENCY
+        if self.max_concurrent_requests is not None and self.max_concurrent_requests >= threads:
+            raise ValidationError({"max_concurrent_requests": (
+                f"Must be below a worker's task threads (LORAFLEET_WORKER_CONCURRENCY = {threads}); at or above it "
+                f"one tenant could hold every thread of a worker and hold up every other tenant's requests. "
+                f"Raise the workers' concurrency first.")})
+
 
 class Role(models.TextChoices):
     OWNER = "owner", "Owner"

@@ -64,3 +64,25 @@ def test_staff_revoke_keys_with_the_admin_action_and_it_records_who(world, staff
     admin_user = get_user_model().objects.get(username="admin")
     assert key.revoked_at is not None and key.revoked_by == admin_user
     assert ApiKey.objects.get(pk=world.globex_key.pk).revoked_at is None
+
+
+def test_a_tenant_cap_at_or_above_a_workers_threads_is_refused(staff, settings):
+    """At its cap, a tenant with as many requests in flight as a worker has task threads would hold every
+    thread, and other tenants' jobs would wait in the queue where no fair scheduler sees them."""
+    from tenants.models import Tenant
+
+    settings.LORAFLEET_WORKER_CONCURRENCY = 128
+
+    def add(slug: str, cap: int):
+        return staff.post(reverse("admin:tenants_tenant_add"), {
+            "slug": slug, "name": slug, "created_at_0": "2026-11-30", "created_at_1": "06:00:00",
+            "may_use_base": "on", "requests_per_minute": "600", "max_concurrent_requests": str(cap),
+            "memberships-TOTAL_FORMS": "0", "memberships-INITIAL_FORMS": "0"})
+
+    refused = add("greedy", 128)
+    assert refused.status_code == 200
+    assert "below a worker&#x27;s task threads (LORAFLEET_WORKER_CONCURRENCY = 128)" in refused.content.decode()
+    assert not Tenant.objects.filter(slug="greedy").exists()
+    assert add("modest", 127).status_code == 302
+    assert Tenant.objects.get(slug="modest").max_concurrent_requests == 127
+    assert Tenant().max_concurrent_requests < settings.LORAFLEET_WORKER_CONCURRENCY  # the defaults agree

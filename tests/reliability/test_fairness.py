@@ -12,8 +12,9 @@ client-side work must not hold this process's GIL), closed loop, each sending th
 soon as the last one is answered. F's max_concurrent_requests (gateway/limits.py: requests in flight per
 tenant, counted at the web) is set to FLOOD_CLIENTS = 16, the issue's attacker, so the flood runs at its
 cap (a 429 at the cap — the slot is given back a moment after the answer — would be retried after 20 ms).
-At the default cap of 64 = the worker's default `-c 64` the flooder holds every Celery thread and S's
-job waits in Redis, where no scheduler sees it (bench/RESULTS.md, "Fairness", has the figures).
+The worker runs with run_worker's defaults, 128 task threads and an engine batch of up to 64: a tenant at
+the default cap (64) holds half the threads, never all of them — when it could, S's job waited in Redis,
+where no scheduler sees it (bench/RESULTS.md, "Fairness", has the figures).
 Long = 400 prompt tokens (token ids) + 112 generated with ignore_eos = the base's context of 512, not
 streamed. S: open loop, one request every SMALL_EVERY_S whatever the answers do (no coordinated
 omission), a short text prompt, max_tokens 4, `stream: true`; TTFT = time to the first SSE data chunk
@@ -54,7 +55,8 @@ LONG_PROMPT = int(os.environ.get("LORAFLEET_FAIRNESS_LONG_PROMPT", 400))
 LONG_TOKENS = int(os.environ.get("LORAFLEET_FAIRNESS_LONG_TOKENS", 112))  # prompt + max_tokens = context 512
 SMALL_EVERY_S = 0.25
 SMALL_MAX_TOKENS = 4
-WORKER_CONCURRENCY = os.environ.get("LORAFLEET_FAIRNESS_WORKER_CONCURRENCY", "64")  # the fixture's default
+# run_worker's defaults: 128 task threads, the engine runs up to 64 sequences and queues the rest in its order
+WORKER_CONCURRENCY = os.environ.get("LORAFLEET_FAIRNESS_WORKER_CONCURRENCY", "128")
 WORKER_ENV: dict[str, str] = {}  # extra environment for the workers (investigations)
 P95_BOUND = 1.5 if FULL else None      # VTC flooded p95 / solo p95 (the goal)
 TOKS_BOUND = 0.95 if FULL else None    # tok/s VTC / FIFO under the flood (the goal)

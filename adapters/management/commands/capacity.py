@@ -60,7 +60,7 @@ class Command(BaseCommand):
                                "what the fleet leaves for KV.")
         pool.add_argument("--mix", default="", help="Fleet mix RANK:TARGETS:COUNT,... e.g. 8:attention-only:500,"
                                                       "16:all-linear:300,4:q_proj+v_proj:200")
-        pool.add_argument("--max-running", type=int, default=64, help="run_worker --concurrency (default 64).")
+        pool.add_argument("--max-running", type=int, default=64, help="run_worker --max-running (default 64).")
         pool.add_argument("--prefill-chunk", type=int, default=256, help="run_worker --prefill-chunk (default 256).")
         pool.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="Where the worker runs.")
         pool.add_argument("--max-lora-rank", type=int, default=None,

@@ -37,7 +37,11 @@ class Command(BaseCommand):
                             help="serve only this tenant, as a worker of its dedicated pool on the base (turn the "
                                  "tenant's 'dedicated worker pool' setting on in admin to route it here)")
         parser.add_argument("--concurrency", "-c", type=int, default=settings.LORAFLEET_WORKER_CONCURRENCY,
-                            help="task threads = most requests one engine runs at once (default %(default)s)")
+                            help="task threads = most jobs this worker holds at once; its engine runs up to "
+                                 "--max-running of them and queues the rest in fair order (default %(default)s)")
+        parser.add_argument("--max-running", type=int, default=None,
+                            help="most sequences the engine runs in one batch (sizes the activation workspace; "
+                                 f"default {settings.LORAFLEET_WORKER_MAX_RUNNING}, or --concurrency if lower)")
         parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
         parser.add_argument("--metrics-port", type=int, default=9100,
                             help="Prometheus exporter port; 0 picks a free one (default %(default)s)")
@@ -65,6 +69,10 @@ class Command(BaseCommand):
             raise CommandError(f"Base model {base.slug!r} has no local checkpoint_path.")
         if opts["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1.")
+        if opts["max_running"] is None:
+            opts["max_running"] = min(settings.LORAFLEET_WORKER_MAX_RUNNING, opts["concurrency"])
+        if opts["max_running"] < 1:
+            raise CommandError("--max-running must be at least 1.")
         tenant = None
         if opts["tenant"] is not None and not opts["tenant"].strip():
             raise CommandError("--tenant needs a tenant slug (an empty one would make this a shared worker).")
@@ -75,12 +83,21 @@ class Command(BaseCommand):
             if not tenant.dedicated:
                 self.stderr.write(f"note: tenant {tenant.slug!r} does not have its dedicated worker pool turned on: "
                                   f"its requests go to the shared pool until it is (admin, Tenants).")
+        if tenant is None:  # a shared worker: no one tenant at its cap may hold every task thread
+            greedy = Tenant.objects.filter(dedicated=False, max_concurrent_requests__gte=opts["concurrency"])
+            names = sorted(greedy.values_list("slug", flat=True)[:5])
+            if names:
+                self.stderr.write(f"note: tenant(s) {', '.join(names)} may have {opts['concurrency']} or more requests "
+                                  f"in flight, as many as this worker's --concurrency: at their cap they hold every "
+                                  f"task thread and other tenants' jobs wait in the queue, unscheduled. Give the "
+                                  f"worker more threads than the largest tenant cap.")
         pool = pool_queue(base.queue_name, tenant.slug if tenant else None)
         redis_broker = str(settings.CELERY_BROKER_URL).startswith(("redis://", "rediss://", "unix://"))
         try:
             runtime = worker.build_runtime(
                 base_slug=base.slug, base_sha256=base.sha256, queue=pool,
                 checkpoint_path=base.checkpoint_path, device=opts["device"], concurrency=opts["concurrency"],
+                max_running=opts["max_running"],
                 max_lora_rank=base.max_lora_rank, memory_fraction=opts["memory_fraction"],
                 memory_gb=opts["memory_gb"], prefill_chunk=opts["prefill_chunk"], host_cache_mb=opts["host_cache_mb"],
                 tenant=tenant.slug if tenant else "", tenant_id=str(tenant.pk) if tenant else "",
@@ -102,7 +119,7 @@ class Command(BaseCommand):
         m = runtime.engine.runner.memory
         queues = f"queues {runtime.own_queue} + {pool}" if redis_broker else f"queue {pool}"
         self.stdout.write(f"worker {runtime.worker_id}{' (tenant ' + tenant.slug + ')' if tenant else ''}: {queues}, "
-                          f"{opts['concurrency']} threads, "
+                          f"{opts['concurrency']} threads, engine batch up to {opts['max_running']}, "
                           f"memory {m.budget_bytes / 1e9:.2f} GB = weights {m.weights_bytes / 1e9:.2f} + workspace "
                           f"{m.workspace_bytes / 1e9:.2f} + pool of {m.num_pages} pages x {m.page_bytes / 1e6:.3f} MB "
                           f"(KV blocks and adapters), metrics on http://{opts['metrics_addr']}:{port}/metrics",
