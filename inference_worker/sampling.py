@@ -219,18 +219,34 @@ class StepSample:
     logprobs: dict[int, dict]  # row -> {"token", "logprob", "top": [[id, lp], ...]} for rows that ask
 
 
+NON_FINITE = ("the model produced non-finite logits (NaN or inf) for this request; the adapter's weights or "
+              "scale overflow the serving dtype")
+
+
+def non_finite_rows(logits: torch.Tensor) -> list[int]:
+    """Rows of `logits` [rows, vocab] holding a NaN or an infinity.
+
+    One summing pass and a [rows] result: a row whose sum is finite holds neither (a NaN or an infinity makes the
+    sum NaN or infinite). Only rows whose sum is not finite — those, or all-finite rows so large that the sum
+    overflowed — are checked element by element. `torch.isfinite` over the whole batch instead wrote three
+    full-size temporaries per step (abs, eq, ne: 12.6 MB each at 64 rows of a 49,152 vocabulary, ~8 ms per
+    step in page faults alone)."""
+    sums = logits.sum(dim=-1)
+    suspect = torch.nonzero(~torch.isfinite(sums)).flatten()
+    if suspect.numel() == 0:
+        return []
+    rows = logits.index_select(0, suspect)
+    bad = ~torch.isfinite(rows).all(dim=-1)
+    return suspect[bad].tolist()
+
+
 @torch.inference_mode()
 def sample_step(logits: torch.Tensor, states: list[SequenceSampling]) -> StepSample:
     """logits: [rows, vocab] fp32, one row per state (modified in place). One token per row.
 
     A row whose logits are not all finite, or whose sampling raised, fails alone; the other rows of the
     batch are unaffected. Rows that do not ask for logprobs, penalties or sampling cost one argmax."""
-    failed: dict[int, Exception] = {}
-    finite = torch.isfinite(logits).all(dim=-1)  # [rows], one pass over the logits
-    if not bool(finite.all()):
-        for row in torch.nonzero(~finite).flatten().tolist():
-            failed[row] = NonFiniteLogits("the model produced non-finite logits (NaN or inf) for this request; "
-                                          "the adapter's weights or scale overflow the serving dtype")
+    failed: dict[int, Exception] = {row: NonFiniteLogits(NON_FINITE) for row in non_finite_rows(logits)}
     ask = [row for row, st in enumerate(states) if st.logprobs is not None and row not in failed]
     if ask:  # raw logprobs, before anything below changes the logits
         ask_idx = torch.tensor(ask, dtype=torch.int64, device=logits.device)
@@ -289,12 +305,7 @@ def sample_next_tokens(logits: torch.Tensor, samplers: list[tuple[int, RequestSa
     alone (its token is meaningless); the other rows of the batch are unaffected.
     """
     tokens = torch.argmax(logits, dim=-1).tolist()  # [batch]
-    failed: dict[int, Exception] = {}
-    finite = torch.isfinite(logits).all(dim=-1)  # [batch], one pass over the logits
-    if not bool(finite.all()):
-        for row in torch.nonzero(~finite).flatten().tolist():
-            failed[row] = NonFiniteLogits("the model produced non-finite logits (NaN or inf) for this request; "
-                                          "the adapter's weights or scale overflow the serving dtype")
+    failed: dict[int, Exception] = {row: NonFiniteLogits(NON_FINITE) for row in non_finite_rows(logits)}
     for row, sampler in samplers:
         if row in failed:
             continue

@@ -118,3 +118,16 @@ def test_tiny_temperatures_are_greedy_and_non_finite_rows_fail_alone():
     assert set(failed) == {1, 2} and "non-finite" in str(failed[1])
     assert tokens[0] == int(logits[0].argmax())
     assert tokens[3] == RequestSampler(SamplingParams(temperature=0.7, seed=1)).sample(logits[3])
+
+
+def test_only_rows_holding_a_nan_or_an_infinity_fail_even_when_a_finite_row_sums_past_the_float_range():
+    from inference_worker.sampling import non_finite_rows
+
+    logits = torch.zeros(6, 1000)
+    logits[1, 7] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3, 5], logits[3, 6] = float("inf"), float("-inf")  # sums to NaN
+    logits[4] = 3e38  # finite, but its sum overflows to inf: checked element by element, and kept
+    logits[5, 999] = float("-inf")
+    assert non_finite_rows(logits) == [1, 2, 3, 5]
+    assert non_finite_rows(torch.randn(64, 49152)) == []
