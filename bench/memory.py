@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP wait policy: the runtime default, as a deployed worker runs (bench/engine.py says why)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402

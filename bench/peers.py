@@ -179,7 +179,7 @@ class VLLM:
         spec_path.write_text(json.dumps(spec))
         self.log_path = logdir / f"vllm-{w.name}.log"
         r, wfd = os.pipe()
-        env = {**os.environ, **VLLM_ENV, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        env = {**os.environ, **VLLM_ENV}  # OMP_WAIT_POLICY as this process's
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([str(python), __file__, "--vllm-worker", str(spec_path), "--result-fd", str(wfd)],
                                      stdin=subprocess.PIPE, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
@@ -594,7 +594,7 @@ def packing_ab(name: str, workdir: Path, rounds: int) -> dict:
 
 
 def run_main(argv: list[str]) -> None:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bench/engine.py, for every system alike
+    # OpenMP's wait policy is the runtime's default unless the environment sets one (bench/engine.py says why)
     sys.path.insert(0, str(ROOT))
     import platform
 
@@ -612,7 +612,8 @@ def run_main(argv: list[str]) -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch "
-          f"{torch.__version__}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; load average {load():.1f}", flush=True)
+          f"{torch.__version__}, OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', 'default')}; load average {load():.1f}", flush=True)
     if args.packing_ab:
         out = [packing_ab(name, workdir, args.rounds) for name in args.workloads.split(",")]
         print(f"load average at end {load():.1f}")
