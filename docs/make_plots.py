@@ -78,26 +78,38 @@ def plot_kernels(text: str) -> Path:
 
 
 def plot_engine(text: str) -> Path | None:
-    """Mid-model tok/s per system, one group of bars per recorded run."""
+    """tok/s of lorafleet, vLLM-CPU and HF/PEFT, base-only and fleet, one panel per workload, with the workload's
+    fp32 limit (bench/peers.py's run recorded in the Engine section)."""
     try:
         md = section(text, "Engine")
     except SystemExit:
         return None
-    found = [t for t in tables(md) if t and "lorafleet base" in t[0]]
+    found = [t for t in tables(md) if t and "system" in t[0] and "base-only tok/s" in t[0]]
+    limits = [t for t in tables(md) if t and "fp32 limit tok/s" in t[0]]
     if not found:
         return None
     rows = found[0]
-    run_key = next(iter(rows[0]))
-    systems = [k for k in rows[0] if k != run_key]
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(systems)
-    for i, system in enumerate(systems):
-        xs = [r + i * width for r in range(len(rows))]
-        ax.bar(xs, [number(row[system]) for row in rows], width, label=system)
-    ax.set_xticks([r + 0.4 - width / 2 for r in range(len(rows))], [row[run_key] for row in rows])
-    ax.set(ylabel="generated tok/s", xlabel="run (start time, 2026-11-29)",
-           title="Mid model, 64 concurrent requests, Zipf over 100 adapters (bench/engine.py; 2 CPUs)")
-    ax.legend(fontsize=8)
+    limit = {row["workload"]: number(row["fp32 limit tok/s"]) for row in (limits[0] if limits else [])}
+    workloads = list(dict.fromkeys(row["workload"] for row in rows))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        mine = [row for row in rows if row["workload"] == workload]
+        systems = [row["system"] for row in mine]
+        xs = range(len(mine))
+        for i, (key, label) in enumerate((("base-only tok/s", "base-only"), ("fleet tok/s", "fleet (Zipf, 100 adapters)"))):
+            bars = ax.bar([x + (i - 0.5) * 0.38 for x in xs], [number(row[key]) for row in mine], 0.38, label=label)
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        if workload in limit:
+            ax.axhline(limit[workload], color="grey", linestyle="--", linewidth=1)
+            ax.text(len(mine) - 0.5, limit[workload], f"fp32 GEMM limit {limit[workload]:.0f}", color="grey",
+                    ha="right", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), systems)
+        ax.set(ylabel="generated tok/s (best of 3 alternating passes)", title=workload)
+        top = max([limit.get(workload, 0.0)] + [number(row[k]) for row in mine for k in ("base-only tok/s", "fleet tok/s")])
+        ax.set_ylim(0, top * 1.3)
+        ax.legend(fontsize=8, loc="upper left", ncol=2)
+    fig.suptitle("64 concurrent requests, 64 new tokens, one run side by side (bench/peers.py; 2 CPUs, quiet host, fp32)",
+                 fontsize=10)
     fig.tight_layout()
     out = DOCS / "engine_throughput.png"
     fig.savefig(out, dpi=110)
