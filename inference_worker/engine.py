@@ -334,14 +334,18 @@ class Engine:
         self._wake.set()
 
     def _loop(self) -> None:
+        team_released = False
         while not self._stopping:
             try:
                 self._drain_inbox()
                 self._admit()
                 if not self._running:
+                    if not team_released:  # idle: no OpenMP team held for nothing (inference_worker/openmp.py)
+                        team_released = release_thread_team()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                team_released = False
                 self._step()
             except Exception:  # a bug must not kill the worker: fail what is in flight, keep serving
                 log.exception("engine step failed")

@@ -4,6 +4,7 @@ engine's team (measured: 432 -> 574-588 tok/s on the mid model, 2 CPUs)."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -55,3 +56,31 @@ def test_starting_the_engine_frees_the_starting_threads_team(tiny_llama):
     finally:
         engine.stop()
 
+
+
+def test_an_idle_engine_holds_no_team_so_two_engines_in_one_process_do_not_throttle_each_other(tiny_llama):
+    runner = ModelRunner(tiny_llama, pool_pages=64, enable_lora=False)
+    forward = runner.forward_all_positions
+
+    def forward_with_a_large_op(steps, every):
+        _parallel_op()  # the tiny model's own ops are below ATen's grain size: make the step build a team
+        return forward(steps, every)
+
+    runner.forward_all_positions = forward_with_a_large_op  # type: ignore[method-assign]
+    release_thread_team()
+    before = _os_threads()
+    engine = Engine(runner, lambda key: b"", max_running=4).start()
+    try:
+        peak: set[int] = set()
+        handle = engine.submit(GenerationJob("busy", None, prompt_token_ids=[5, 6, 7], max_tokens=40,
+                                             temperature=0.0, ignore_eos=True))
+        while not handle.done():
+            peak |= _os_threads() - before
+        assert handle.result(60).ok
+        assert len(peak) >= torch.get_num_threads(), peak  # the engine thread and its team's workers
+        deadline = time.monotonic() + 5
+        while len(_os_threads() - before) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_os_threads() - before) == 1, "the idle engine kept its OpenMP workers"  # its own thread only
+    finally:
+        engine.stop()
