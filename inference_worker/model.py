@@ -205,6 +205,12 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+# oneDNN's packed GEMM against F.linear at 64 rows, bench/limits.py on this project's CPUs (2026-11-30): 246 vs 207
+# GFLOP/s on the mid model (hidden 1024), mixed on SmolLM2 (576; it wins at 512 rows), 54 vs 133 on the tiny
+# test and fallback-demo models (64): below this width the runner keeps F.linear unless asked to pack.
+PACK_MIN_HIDDEN = 512
+
+
 class Projection:
     """A projection's weight [out, in] (and bias), and the GEMM that multiplies by it.
 
@@ -387,9 +393,11 @@ class ModelRunner:
         self.max_batch_tokens = max_batch_tokens or (256 + max_running)
 
         # The projections' and LM head's GEMMs on oneDNN, weights pre-packed (see Projection): by default wherever
-        # it is available; packed_weights=False keeps F.linear (A/B in bench/peers.py --packing-ab).
+        # it is available and the model is wide enough to gain from it; packed_weights=False keeps F.linear,
+        # True packs whatever the width (A/B in bench/peers.py --packing-ab).
         if packed_weights is None:
-            packed_weights = onednn_packing_available(self.device, self.dtype)
+            packed_weights = (onednn_packing_available(self.device, self.dtype)
+                              and cfg.hidden_size >= PACK_MIN_HIDDEN)
         elif packed_weights and not onednn_packing_available(self.device, self.dtype):
             raise ValueError("packed_weights=True needs a CPU runner in fp32 and a torch built with oneDNN")
         self.pack_rows: int | None = max_running if packed_weights else None  # the layout hint: the decode batch

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from inference_worker.model import ModelRunner, SeqStep
+from inference_worker.model import ModelRunner, SeqStep, onednn_packing_available
 from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
 from protocol.lora_layout import peft_scale
 from tests.support.peft_factory import make_random_peft_adapter
@@ -69,8 +69,15 @@ def load_peft_into(runner: ModelRunner, adapter_dir) -> int:
     return runner.load_adapter(weights, rank=cfg["r"], scale=peft_scale(cfg["lora_alpha"], cfg["r"], cfg["use_rslora"]))
 
 
-def test_prefill_and_decode_logits_match_transformers(tiny_base):
-    runner = ModelRunner(tiny_base, pool_pages=256)
+# The tiny models are below PACK_MIN_HIDDEN, so by default they run F.linear; packed=True runs the same checks on
+# oneDNN's pre-packed GEMMs, the path wider models take by default.
+PACKED = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not onednn_packing_available(torch.device("cpu"), torch.float32), reason="torch without oneDNN linear ops"))]
+
+
+@pytest.mark.parametrize("packed", PACKED, ids=["F.linear", "onednn-packed"])
+def test_prefill_and_decode_logits_match_transformers(tiny_base, packed):
+    runner = ModelRunner(tiny_base, pool_pages=256, packed_weights=packed)
     model = hf_model(tiny_base)
     seq = Seq(runner, len(PROMPT) + 21)
     ours = runner.forward([seq.step(PROMPT)])[0]
@@ -88,8 +95,9 @@ def test_prefill_and_decode_logits_match_transformers(tiny_base):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
-def test_greedy_tokens_match_transformers_for_32_steps(tiny_base):
-    runner = ModelRunner(tiny_base, pool_pages=256, enable_lora=False)
+@pytest.mark.parametrize("packed", PACKED, ids=["F.linear", "onednn-packed"])
+def test_greedy_tokens_match_transformers_for_32_steps(tiny_base, packed):
+    runner = ModelRunner(tiny_base, pool_pages=256, enable_lora=False, packed_weights=packed)
     theirs = hf_greedy(hf_model(tiny_base), PROMPT, 32)
     assert len(theirs) == 32
     assert greedy(runner, PROMPT, 32) == theirs
@@ -123,6 +131,21 @@ def test_peft_adapter_greedy_tokens_match_peft_generate(request, tmp_path, arch,
     assert ours == theirs
     # The adapter really changes the output (a zero adapter would pass the line above vacuously).
     assert ours != greedy(runner, PROMPT, 32, slot=-1)
+
+
+@pytest.mark.skipif(not onednn_packing_available(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
+def test_peft_adapter_on_packed_weights_matches_peft_generate(tiny_qwen2, tmp_path):
+    """LoRA adds into column views of the fused q/k/v and gate/up outputs: on oneDNN's packed GEMMs too."""
+    from peft import PeftModel
+
+    adapter = make_random_peft_adapter(tiny_qwen2, tmp_path / "adapter", r=32, alpha=64, target_modules=ALL_TARGETS,
+                                       seed=32)
+    theirs = hf_greedy(PeftModel.from_pretrained(hf_model(tiny_qwen2), str(adapter)).eval(), PROMPT, 32)
+    runner = ModelRunner(tiny_qwen2, pool_pages=256, max_lora_rank=64, packed_weights=True)
+    assert runner.pack_rows is not None
+    slot = load_peft_into(runner, adapter)
+    ours = greedy(runner, PROMPT, 32, slot=slot)
+    assert ours == theirs and ours != greedy(runner, PROMPT, 32, slot=-1)
 
 
 def test_chunked_prefill_gives_the_same_logits(tiny_base):
