@@ -417,7 +417,7 @@ class Engine:
         if problem is None and job.max_tokens < 1:
             problem = "max_tokens must be >= 1"
         if problem is None and not (isinstance(job.n, int) and 1 <= job.n <= self.max_running):
-            problem = f"n must be an integer in 1..{self.max_running} (this worker's concurrency)"
+            problem = f"n must be an integer in 1..{self.max_running} (this worker's --max-running)"
         if problem is None and job.prompt_logprobs is not None and not 0 <= int(job.prompt_logprobs) <= 20:
             problem = "prompt_logprobs must be in 0..20"
         if problem is not None:
