@@ -296,26 +296,6 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[d
             for t, c, ti, tv in zip(next_ids, chosen, top_i, top_v, strict=True)]
 
 
-def sample_next_tokens(logits: torch.Tensor, samplers: list[tuple[int, RequestSampler]]
-                       ) -> tuple[list[int], dict[int, Exception]]:
-    """logits: [batch, vocab]; samplers: (row, sampler) for the rows that do not decode greedily.
-
-    Every row is first decided by one argmax over the batch; sampled rows then overwrite theirs. Returns the
-    tokens and, per failed row, why: a row whose logits are not all finite, or whose sampling raised, fails
-    alone (its token is meaningless); the other rows of the batch are unaffected.
-    """
-    tokens = torch.argmax(logits, dim=-1).tolist()  # [batch]
-    failed: dict[int, Exception] = {row: NonFiniteLogits(NON_FINITE) for row in non_finite_rows(logits)}
-    for row, sampler in samplers:
-        if row in failed:
-            continue
-        try:
-            tokens[row] = sampler.sample(logits[row])
-        except Exception as exc:  # this request only
-            failed[row] = exc
-    return tokens, failed
-
-
 class IncrementalText:
     """Detokenizes a growing list of output tokens and finds stop strings across token boundaries.
 

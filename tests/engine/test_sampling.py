@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from inference_worker.sampling import IncrementalText, RequestSampler, SamplingParams, sample_next_tokens
+from inference_worker.sampling import IncrementalText, RequestSampler, SamplingParams, SequenceSampling, sample_step
 from protocol.jobs import AdapterRef, GenerationJob, GenerationResult
 
 
@@ -45,16 +45,21 @@ def test_job_and_result_round_trip_through_json():
     assert GenerationResult.from_dict(json.loads(json.dumps(res.to_dict()))) == res
 
 
+def _batch(rows: int, sampled: dict[int, SequenceSampling]) -> list[SequenceSampling]:
+    """One sampling state per row: `sampled`'s where given, greedy elsewhere."""
+    return [sampled.get(row) or SequenceSampling(SamplingParams(temperature=0.0)) for row in range(rows)]
+
+
 def test_greedy_rows_take_the_argmax_and_sampled_rows_follow_their_seed():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    s = RequestSampler(SamplingParams(temperature=1.0, seed=123))
-    tokens, _ = sample_next_tokens(logits, [(2, s)])
+    batch = _batch(4, {2: SequenceSampling(SamplingParams(temperature=1.0, seed=123))})
+    tokens = sample_step(logits, batch).tokens
     assert tokens[0] == int(logits[0].argmax()) and tokens[3] == int(logits[3].argmax())
     # The same seed gives the same draws whatever else is in the batch.
-    alone = RequestSampler(SamplingParams(temperature=1.0, seed=123))
-    draws_in_batch = [tokens[2]] + [sample_next_tokens(logits, [(2, s)])[0][2] for _ in range(20)]
-    draws_alone = [sample_next_tokens(logits[2:3], [(0, alone)])[0][0] for _ in range(21)]
+    alone = [SequenceSampling(SamplingParams(temperature=1.0, seed=123))]
+    draws_in_batch = [tokens[2]] + [sample_step(logits, batch).tokens[2] for _ in range(20)]
+    draws_alone = [sample_step(logits[2:3], alone).tokens[0] for _ in range(21)]
     assert draws_in_batch == draws_alone
     other = RequestSampler(SamplingParams(temperature=1.0, seed=124))
     assert [other.sample(logits[2]) for _ in range(21)] != draws_alone
@@ -112,9 +117,9 @@ def test_tiny_temperatures_are_greedy_and_non_finite_rows_fail_alone():
     bad = logits.clone()
     bad[1, 3] = float("nan")
     bad[2, 7] = float("inf")
-    sampler = RequestSampler(SamplingParams(temperature=0.7, seed=1))
-    tokens, failed = sample_next_tokens(bad, [(2, sampler), (3, RequestSampler(SamplingParams(temperature=0.7,
-                                                                                               seed=1)))])
+    step = sample_step(bad, _batch(4, {2: SequenceSampling(SamplingParams(temperature=0.7, seed=1)),
+                                       3: SequenceSampling(SamplingParams(temperature=0.7, seed=1))}))
+    tokens, failed = step.tokens, step.failed
     assert set(failed) == {1, 2} and "non-finite" in str(failed[1])
     assert tokens[0] == int(logits[0].argmax())
     assert tokens[3] == RequestSampler(SamplingParams(temperature=0.7, seed=1)).sample(logits[3])
