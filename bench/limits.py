@@ -31,14 +31,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 IMPLS = ("F.linear", "onednn", "onednn_packed")
 
 
 def onednn_available() -> bool:
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    from inference_worker.model import onednn_packing_available
+
+    return onednn_packing_available(torch.device("cpu"), torch.float32)
 
 
 def layer_shapes(cfg) -> list[tuple[str, int, int]]:
@@ -74,20 +74,12 @@ class GemmRates:
                 f"fastest: {won}); load average {self.load_average:.1f}")
 
 
-def _packed(w: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w, rows)
-
-
-def _run(impl: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if impl == "F.linear":
-        return F.linear(x, w)
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # onednn (w plain) and onednn_packed
-
-
 @torch.inference_mode()
 def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None, seed: int = 0) -> GemmRates:
     """The model's GEMMs at `rows` rows, each shape over `layers` distinct weights (default: the model's layer
     count; the head once), both implementations alternating, best of `repeats` passes per shape and impl."""
+    from inference_worker.model import Projection  # the runner's GEMM, in each of its three forms
+
     impls = [i for i in IMPLS if i == "F.linear" or onednn_available()]
     g = torch.Generator().manual_seed(seed)
     n_layers = layers or cfg.num_layers
@@ -96,18 +88,18 @@ def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None
     best_t: dict[tuple[str, str], float] = {}
     for name, n, o, count in shapes:
         ws = [torch.randn(o, n, generator=g) / n ** 0.5 for _ in range(count)]
-        weights = {"F.linear": ws, "onednn": ws}
-        if "onednn_packed" in impls:
-            weights["onednn_packed"] = [_packed(w, rows) for w in ws]
+        made = {"F.linear": lambda w: Projection(w), "onednn": lambda w: Projection(w, onednn=True),
+                "onednn_packed": lambda w: Projection(w, pack_rows=rows)}
+        weights = {impl: [made[impl](w) for w in ws] for impl in impls}
         x = torch.randn(rows, n, generator=g)
         for impl in impls:  # warm-up: first-call costs (oneDNN primitive creation) are not the rate
-            for w in weights[impl][:2]:
-                _run(impl, x, w)
+            for proj in weights[impl][:2]:
+                proj(x)
         for _ in range(repeats):
             for impl in impls:
                 t = time.perf_counter()
-                for w in weights[impl]:
-                    _run(impl, x, w)
+                for proj in weights[impl]:
+                    proj(x)
                 dt = time.perf_counter() - t
                 best_t[name, impl] = min(best_t.get((name, impl), float("inf")), dt)
         del ws, weights
