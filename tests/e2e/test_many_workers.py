@@ -39,6 +39,7 @@ import redis
 from psycopg.rows import dict_row
 
 from tests.e2e.conftest import PYTHON, Proc, Stack, _reachable, _require, free_port, wait_until, worker_metric
+from tests.support.traffic import Traffic
 
 FULL = os.environ.get("LORAFLEET_FAULTS_FULL", "").lower() in ("1", "true", "yes")
 ADAPTERS = 200
@@ -197,63 +198,23 @@ def zipf_sequence(models: list[str], n: int, seed: int) -> list[str]:
     return rng.choices(models, weights=weights, k=n)
 
 
-class Clients:
-    """CLIENTS threads sending completions, from a fixed sequence of adapters or (sequence=None) a Zipf
-    stream until stopped; every outcome recorded."""
+def Clients(fl, url: str, sequence: list[str] | None = None, seed: int = 0) -> Traffic:  # noqa: N802
+    """CLIENTS client threads sending completions, from a fixed sequence of adapters (shared by the clients,
+    each taken once) or (sequence=None) a Zipf stream until stopped; every outcome recorded."""
+    lock, taken = threading.Lock(), [0]
+    rng = random.Random(seed)
+    weights = [1 / (rank + 1) ** ZIPF_S for rank in range(len(fl.models))]
 
-    def __init__(self, fl, url: str, sequence: list[str] | None = None, seed: int = 0):
-        self.fl, self.url = fl, url
-        self._lock = threading.Lock()
-        self._next = 0
-        self._sequence = sequence
-        self._rng = random.Random(seed)
-        self._weights = [1 / (rank + 1) ** ZIPF_S for rank in range(len(fl.models))]
-        self._stop = threading.Event()
-        self.outcomes: list[dict] = []
-        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(CLIENTS)]
-
-    def _take(self) -> str | None:
-        with self._lock:
-            if self._sequence is not None:
-                if self._next >= len(self._sequence):
+    def next_model(client: int, turn: int) -> str | None:
+        with lock:
+            if sequence is not None:
+                if taken[0] >= len(sequence):
                     return None
-                self._next += 1
-                return self._sequence[self._next - 1]
-            return None if self._stop.is_set() else self._rng.choices(self.fl.models, weights=self._weights)[0]
+                taken[0] += 1
+                return sequence[taken[0] - 1]
+            return rng.choices(fl.models, weights=weights)[0]
 
-    def _client(self, i: int) -> None:
-        n = 0
-        with httpx.Client(timeout=120) as http:
-            while (model := self._take()) is not None:
-                n += 1
-                started = time.monotonic()
-                outcome = {"model": model, "started": started}
-                try:
-                    r = http.post(self.url + "/v1/completions", headers={"Authorization": f"Bearer {self.fl.key}"},
-                                  json={"model": model, "prompt": f"Client {i} turn {n}", "max_tokens": 4,
-                                        "temperature": 0})
-                    outcome.update(status=r.status_code, request_id=r.headers.get("X-Lorafleet-Request-Id"),
-                                   code=None if r.status_code == 200 else r.json()["error"]["code"])
-                except Exception as exc:  # a transport failure is a lost request: recorded, asserted on
-                    outcome.update(status=None, request_id=None, code=f"transport: {exc!r}")
-                outcome["seconds"] = time.monotonic() - started
-                with self._lock:
-                    self.outcomes.append(outcome)
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=200)
-        assert not any(t.is_alive() for t in self._threads), "a client never got an answer"
-
-    def count(self) -> int:
-        with self._lock:
-            return len(self.outcomes)
+    return Traffic(url, fl.key, next_model, CLIENTS, timeout=120, join_s=200, until_stopped=sequence is None)
 
 
 def run_sequence(fl, url: str, sequence: list[str]) -> list[dict]:

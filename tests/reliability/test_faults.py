@@ -16,19 +16,17 @@ import json
 import os
 import shutil
 import signal
-import threading
 import time
 from collections import Counter
 from types import SimpleNamespace
 
 import httpx
-import psycopg
 import pytest
 import redis
-from psycopg.rows import dict_row
 
 from tests.e2e.conftest import Proc, Stack, _reachable, free_port, wait_until
-from tests.e2e.test_many_workers import affinity_and_failover, fleet_stack
+from tests.e2e.test_many_workers import affinity_and_failover, audit_rows, fleet_stack
+from tests.support.traffic import Traffic
 
 FULL = os.environ.get("LORAFLEET_FAULTS_FULL", "").lower() in ("1", "true", "yes")
 KILLS = 5 if FULL else 1
@@ -115,65 +113,14 @@ def fault_stack(rel_stack, tmp_path_factory):
         broker.kill()
 
 
-class Traffic:
-    """CLIENTS threads sending completions until stopped; every outcome recorded with its timing."""
-
-    def __init__(self, fs, timeout: float = 150):
-        self.fs, self.timeout = fs, timeout
-        self.outcomes: list[dict] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(CLIENTS)]
-
-    def _client(self, i: int):
-        n = 0
-        with httpx.Client(timeout=self.timeout) as http:
-            while not self._stop.is_set():
-                model = self.fs.models[(i + n) % len(self.fs.models)]
-                n += 1
-                started = time.monotonic()
-                outcome = {"client": i, "model": model, "started": started}
-                try:
-                    r = http.post(self.fs.url + "/v1/completions", headers={"Authorization": f"Bearer {self.fs.key}"},
-                                  json={"model": model, "prompt": f"Client {i} turn {n}", "max_tokens": 4,
-                                        "temperature": 0})
-                    outcome.update(status=r.status_code, request_id=r.headers.get("X-Lorafleet-Request-Id"),
-                                   code=None if r.status_code == 200 else r.json()["error"]["code"])
-                except Exception as exc:  # a transport failure is a lost request: recorded, asserted on
-                    outcome.update(status=None, request_id=None, code=f"transport: {exc!r}")
-                outcome["seconds"] = time.monotonic() - started
-                with self._lock:
-                    self.outcomes.append(outcome)
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=self.timeout + 10)
-        assert not any(t.is_alive() for t in self._threads), "a client never got an answer"
-
-    def count(self) -> int:
-        with self._lock:
-            return len(self.outcomes)
-
-
-def _audit_rows(fs, request_ids: list[str]) -> dict[str, list[dict]]:
-    with psycopg.connect(fs.rel.db_url, row_factory=dict_row) as conn:
-        rows = conn.execute("SELECT request_id::text AS rid, status, http_status, error_code, attempts "
-                            "FROM gateway_auditrecord WHERE request_id::text = ANY(%s)", (request_ids,)).fetchall()
-    out: dict[str, list[dict]] = {}
-    for row in rows:
-        out.setdefault(row["rid"], []).append(row)
-    return out
+def _traffic(fs, timeout: float = 150) -> Traffic:
+    """CLIENTS threads sending completions until stopped, each cycling through the adapters."""
+    return Traffic(fs.url, fs.key, lambda i, n: fs.models[(i + n) % len(fs.models)], CLIENTS, timeout=timeout)
 
 
 def test_killing_the_worker_loses_no_request(fault_stack):
     fs = fault_stack
-    with Traffic(fs) as traffic:
+    with _traffic(fs) as traffic:
         wait_until(lambda: traffic.count() >= CLIENTS, 60, "first answers")
         for k in range(KILLS):
             time.sleep(KILL_EVERY_S)
@@ -191,7 +138,7 @@ def test_killing_the_worker_loses_no_request(fault_stack):
     assert not unexplained, unexplained[:3]
     ids = [o["request_id"] for o in outcomes]
     assert len(ids) == len(set(ids)), "two answers carried one request id"
-    rows = _audit_rows(fs, ids)
+    rows = audit_rows(fs.rel, ids)
     assert sorted(rows) == sorted(ids), "a request has no audit row"
     twice = [rid for rid, rs in rows.items() if len(rs) != 1]
     assert not twice, twice[:3]
@@ -235,7 +182,7 @@ def test_killing_the_worker_loses_no_request(fault_stack):
 
 def test_a_dead_broker_is_a_fast_recorded_503_and_recovery_needs_no_one(fault_stack):
     fs = fault_stack
-    with Traffic(fs, timeout=60) as traffic:  # > the server's 30 s: every request gets its own answer
+    with _traffic(fs, timeout=60) as traffic:  # > the server's 30 s: every request gets its own answer
         wait_until(lambda: traffic.count() >= CLIENTS, 60, "first answers")
         fs.broker.kill()
         down_at = time.monotonic()
@@ -256,7 +203,7 @@ def test_a_dead_broker_is_a_fast_recorded_503_and_recovery_needs_no_one(fault_st
     assert not slow, [(o["status"], o["code"], round(o["started"] - down_at, 2), round(o["seconds"], 2))
                       for o in slow[:10]] + [f"{len(slow)} of {len(during)}"]
     assert {o["code"] for o in during} == {"queue_unavailable"}
-    rows = _audit_rows(fs, [o["request_id"] for o in outcomes])
+    rows = audit_rows(fs.rel, [o["request_id"] for o in outcomes])
     for o in outcomes:
         assert len(rows[o["request_id"]]) == 1 and rows[o["request_id"]][0]["status"] != "pending", o
         assert rows[o["request_id"]][0]["http_status"] == o["status"], o
