@@ -30,6 +30,10 @@ REPLY_TTL_S = 600
 ATTEMPTS_TTL_S = 24 * 3600
 POLL_S = 0.05
 WORKER_KEY_PREFIX = "lorafleet:worker:"
+# The ids of the workers that have beaten: live_workers reads this set, then each member's heartbeat, in two round
+# trips whatever else the database holds (a SCAN for the prefix walked every key — a day of requests' attempt and
+# done flags — on each web process's refresh). Members whose heartbeat has expired are pruned as they are read.
+WORKER_INDEX_KEY = "lorafleet:workers"
 
 
 def pool_queue(base_queue: str, tenant_slug: str | None = None) -> str:
@@ -96,28 +100,39 @@ class RedisChannel:
         return bool(self._call(self._redis.exists, f"lorafleet:cancel:{request_id}"))
 
     def heartbeat(self, worker_id: str, status: dict, ttl_s: float) -> None:
-        self._call(self._redis.set, heartbeat_key(worker_id), json.dumps(status), px=int(ttl_s * 1000))
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(heartbeat_key(worker_id), json.dumps(status), px=int(ttl_s * 1000))
+        pipe.sadd(WORKER_INDEX_KEY, worker_id)
+        self._call(pipe.execute)
 
     def forget_worker(self, worker_id: str) -> None:
-        self._call(self._redis.delete, heartbeat_key(worker_id))
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.delete(heartbeat_key(worker_id))
+        pipe.srem(WORKER_INDEX_KEY, worker_id)
+        self._call(pipe.execute)
 
     def live_workers(self) -> list[dict]:
         """Each live worker's last status, plus `expires_in_s`: how long it stays listed without another beat
-        (read on Redis's clock, so hosts with skewed clocks agree on it)."""
-        keys = sorted(self._call(lambda: list(self._redis.scan_iter(WORKER_KEY_PREFIX + "*", count=500))))
-        if not keys:
+        (read on Redis's clock, so hosts with skewed clocks agree on it). Two round trips (WORKER_INDEX_KEY)."""
+        ids = sorted(m.decode() for m in self._call(self._redis.smembers, WORKER_INDEX_KEY))
+        if not ids:
             return []
         pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(key)
-            pipe.pttl(key)
+        for worker_id in ids:
+            pipe.get(heartbeat_key(worker_id))
+            pipe.pttl(heartbeat_key(worker_id))
         replies = self._call(pipe.execute)
-        out = []
-        for value, pttl in zip(replies[::2], replies[1::2], strict=True):
+        out, gone = [], []
+        for worker_id, value, pttl in zip(ids, replies[::2], replies[1::2], strict=True):
             if value:
                 status = json.loads(value)
                 status["expires_in_s"] = max(0.0, pttl / 1000) if pttl and pttl > 0 else 0.0
                 out.append(status)
+            else:
+                gone.append(worker_id)
+        if gone:
+            # A worker that beats again between the GET and this SREM re-adds itself on its next beat.
+            self._call(self._redis.srem, WORKER_INDEX_KEY, *gone)
         return out
 
     def queue_lengths(self, queues: list[str]) -> list[int]:

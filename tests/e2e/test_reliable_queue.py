@@ -192,6 +192,30 @@ def test_a_final_answer_marks_the_request_done_in_the_same_transaction(redis_ser
     assert channel.is_done("r1")  # a redelivered copy of r1 is acknowledged without running (tasks.py)
 
 
+
+def test_live_workers_lists_beating_workers_in_two_round_trips_however_many_keys_the_database_holds(redis_server):
+    """The web refreshes this list every second per process (gateway/routing.py); it used to SCAN the keyspace,
+    which holds a day of requests' attempt and done flags (30k round trips at 100 requests/s)."""
+    channel = RedisChannel(redis_server.url)
+    r = redis.Redis.from_url(redis_server.url)
+    pipe = r.pipeline(transaction=False)
+    for i in range(20_000):
+        pipe.set(f"lorafleet:attempts:req-{i}", 1, ex=600)
+    pipe.execute()
+    channel.heartbeat("w-live", {"worker_id": "w-live"}, 30)
+    channel.heartbeat("w-expiring", {"worker_id": "w-expiring"}, 0.2)
+    channel.heartbeat("w-gone", {"worker_id": "w-gone"}, 30)
+    channel.forget_worker("w-gone")
+    time.sleep(0.4)
+    before = r.info("stats")["total_commands_processed"]
+    workers = channel.live_workers()
+    commands = r.info("stats")["total_commands_processed"] - before - 1  # less the INFO itself
+    assert [w["worker_id"] for w in workers] == ["w-live"]
+    assert 25 < workers[0]["expires_in_s"] <= 30
+    # SMEMBERS; GET + PTTL for each of the two members; one SREM (a SCAN of these 20,000 keys took 40 and more)
+    assert commands <= 6, f"{commands} commands for one refresh"
+    assert r.smembers("lorafleet:workers") == {b"w-live"}  # the expired one is pruned as it is read
+
 @pytest.fixture(autouse=True)
 def _no_django_broker(monkeypatch):
     monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
