@@ -119,6 +119,18 @@ if _database_url:
         # 5 s (the API answers 503 database_unavailable), and a pooled connection that died is dropped.
         DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", 5)
         DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+        # A pool of connections per process (psycopg_pool, Django's "pool" option) instead of a new PostgreSQL
+        # backend — a fork, authentication, catalog warm-up — for every request, twice per inference request
+        # (the web gives its connection back while it waits on the worker). Connections are checked before
+        # use (CONN_HEALTH_CHECKS), so a restarted database costs a reconnect, not an error. `timeout`: the
+        # longest a request waits for a connection — all in use, or the database down — before its 503
+        # `database_unavailable`. `reconnect_timeout`: the pool stops retrying in the background (every 1, 2,
+        # 4 s...) after this long and starts afresh on the next request, so recovery after a long outage
+        # waits for no long backoff.
+        _pool_max = env_int("LORAFLEET_DB_POOL_MAX", 16)  # 0: a new connection per request
+        if _pool_max > 0:
+            DATABASES["default"]["OPTIONS"]["pool"] = {"min_size": min(2, _pool_max), "max_size": _pool_max,
+                                                       "timeout": 3.0, "reconnect_timeout": 10.0}
 else:
     DATABASES = {
         "default": {

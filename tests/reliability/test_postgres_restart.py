@@ -7,7 +7,8 @@ Redis (suffixed queues) — serves clients while the cluster is stopped (`pg_ctl
 open connection is cut), kept down, and started again. What a user must see:
 
 - while it is down, every request ends within 5 s with a JSON 503 `database_unavailable` (Retry-After)
-  that the OpenAI client can parse — never an HTML 500, never a hang; /v1/models too;
+  that the OpenAI client can parse — never an HTML 500, never a hang; /v1/models too (the web waits up to
+  3 s for a pooled connection first, so one sent just before the database returns may be answered);
 - after it returns, requests succeed again within 30 s with no manual step: the same web and worker
   processes (no restart);
 - no request is lost or answered twice; every answered request has exactly one final audit row. A
@@ -218,11 +219,14 @@ def test_a_postgres_restart_is_a_clean_503_and_recovers_by_itself(pg_stack):
     wrong = [o for o in failed if (o["status"], o["code"]) != (503, "database_unavailable")
              or "application/json" not in o["content_type"] or o["retry_after"] != "2"]
     assert not wrong, wrong[:3]
-    during = [o for o in outcomes if down_at + 0.5 < o["started"] < up_started - 0.5]
-    assert during, "no request was sent while PostgreSQL was down"
+    sent_down = [o for o in outcomes if down_at + 0.5 < o["started"] < up_started - 0.5]
+    # Sent and answered while it was down: a 503 each. One sent in the outage's last seconds may still be
+    # waiting for a pooled connection (up to the pool's 3 s, config/settings.py) when it returns, and is answered.
+    during = [o for o in sent_down if o["started"] + o["seconds"] < up_started - 0.5]
+    assert during, "no request was sent and answered while PostgreSQL was down"
     assert {o["status"] for o in during} == {503}, [o for o in during if o["status"] != 503][:3]
-    slowest_down = max(o["seconds"] for o in during)
-    assert slowest_down <= DOWN_ANSWER_S, sorted(o["seconds"] for o in during)[-3:]
+    slowest_down = max(o["seconds"] for o in sent_down)
+    assert slowest_down <= DOWN_ANSWER_S, sorted(o["seconds"] for o in sent_down)[-3:]
     assert models_during and all((m["status"], m["code"]) == (503, "database_unavailable")
                                  and m["seconds"] <= DOWN_ANSWER_S for m in models_during), models_during[:3]
     after = [o for o in outcomes if o["started"] > first_ok]
@@ -255,7 +259,7 @@ def test_a_postgres_restart_is_a_clean_503_and_recovers_by_itself(pg_stack):
     unaudited = sum(o["status"] == 503 and o["request_id"] not in by_id for o in outcomes)
     print(f"\npostgres restart: down {OUTAGE_S}s under {CLIENTS} clients; {len(outcomes)} requests, "
           f"{sum(o['status'] == 200 for o in outcomes)} answered, {len(failed)} x 503 database_unavailable "
-          f"({len(during)} sent while down, slowest {slowest_down:.2f}s; /v1/models {len(models_during)} x 503, "
+          f"({len(during)} sent and answered while down, slowest {slowest_down:.2f}s; /v1/models {len(models_during)} x 503, "
           f"slowest {max(m['seconds'] for m in models_during):.2f}s); first answer {first_ok - up_at:.1f}s after "
           f"PostgreSQL was up again (start took {up_at - up_started:.1f}s); {len(pending)} rows left pending "
           f"and finalised by close_abandoned_audit, {unaudited} 503s with no row (the database was down); "
