@@ -27,7 +27,8 @@ under the flood lower with VTC than with FIFO — 8 of 8 runs on 2026-11-30, by 
 client-side p95 was lower with VTC in 7 of those 8 only: the web and the handoff, which the flood slows
 through the shared CPUs whatever the order, swamp it in 15 s phases. Asserted only in `make faults`
 (LORAFLEET_FAULTS_FULL=1): the issue's bounds, client-side VTC p95 <= 1.5x solo p95 and tok/s VTC >=
-0.95x FIFO — missed on the shared 2-CPU machine (3.56x on 2026-11-30, web and handoff, not the engine).
+0.95x FIFO — missed on the shared 2-CPU machine (4.59x on a quiet host on 2026-12-01: web and handoff,
+not the engine).
 The figures are printed, and recorded in bench/RESULTS.md ("Fairness").
 """
 from __future__ import annotations
