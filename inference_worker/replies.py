@@ -89,15 +89,20 @@ class RedisChannel:
         """A final answer was already pushed for this request (a redelivered copy must not run again)."""
         return bool(self._call(self._redis.exists, f"lorafleet:done:{request_id}"))
 
-    def count_attempt(self, request_id: str) -> int:
-        key = f"lorafleet:attempts:{request_id}"
-        pipe = self._redis.pipeline()
-        pipe.incr(key)
-        pipe.expire(key, ATTEMPTS_TTL_S)
-        return int(self._call(pipe.execute)[0])
-
     def is_cancelled(self, request_id: str) -> bool:
         return bool(self._call(self._redis.exists, f"lorafleet:cancel:{request_id}"))
+
+    def begin(self, request_id: str) -> tuple[bool, int, bool]:
+        """What a worker asks before it runs a job, in one round trip: (already answered, this attempt's number
+        — counted even for an answered one, which is then dropped —, cancelled by the web)."""
+        attempts = f"lorafleet:attempts:{request_id}"
+        pipe = self._redis.pipeline()
+        pipe.exists(f"lorafleet:done:{request_id}")
+        pipe.incr(attempts)
+        pipe.expire(attempts, ATTEMPTS_TTL_S)
+        pipe.exists(f"lorafleet:cancel:{request_id}")
+        done, n, _, cancelled = self._call(pipe.execute)
+        return bool(done), int(n), bool(cancelled)
 
     def heartbeat(self, worker_id: str, status: dict, ttl_s: float) -> None:
         pipe = self._redis.pipeline(transaction=False)
@@ -199,6 +204,9 @@ class FileChannel:
 
     def is_done(self, request_id: str) -> bool:
         return False  # the embedded default's Celery worker never redelivers an answered job
+
+    def begin(self, request_id: str) -> tuple[bool, int, bool]:
+        return self.is_done(request_id), self.count_attempt(request_id), self.is_cancelled(request_id)
 
     def _worker_path(self, worker_id: str) -> Path:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in worker_id)

@@ -53,10 +53,10 @@ def generate(self, job_dict: dict, meta_dict: dict) -> None:
     job, meta = GenerationJob.from_dict(job_dict), JobMeta.from_dict(meta_dict)
     channel = reply_channel()
     runtime = get_runtime()
-    if channel.is_done(job.request_id):
+    done, attempts, cancelled = channel.begin(job.request_id)  # one round trip on Redis
+    if done:
         log.warning("request %s was already answered; not running the redelivered copy", job.request_id)
         return
-    attempts = channel.count_attempt(job.request_id)
 
     def final(result: GenerationResult, outcome: str) -> None:
         runtime.count(outcome)
@@ -69,7 +69,7 @@ def generate(self, job_dict: dict, meta_dict: dict) -> None:
         return final(_error(job, ErrorCode.WORKER_LOST, f"the request was attempted {attempts - 1} times and each time the "
                                                 f"worker running it died; it will not be retried"), "worker_lost")
     deadline = meta.deadline or time.time() + 60
-    if time.time() >= deadline or channel.is_cancelled(job.request_id):
+    if time.time() >= deadline or cancelled:
         return final(_error(job, ErrorCode.CANCELLED, "the caller stopped waiting before a worker started this job"),
                      "skipped")
     if runtime.tenant_id and job.tenant != runtime.tenant_id:

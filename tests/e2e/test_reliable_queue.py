@@ -192,6 +192,22 @@ def test_a_final_answer_marks_the_request_done_in_the_same_transaction(redis_ser
     assert channel.is_done("r1")  # a redelivered copy of r1 is acknowledged without running (tasks.py)
 
 
+def test_a_worker_learns_done_attempts_and_cancel_in_one_round_trip(redis_server):
+    channel = RedisChannel(redis_server.url)
+    r = redis.Redis.from_url(redis_server.url)
+    channel.is_done("warm")  # the channel's connection is open (its handshake commands are not counted)
+    before = r.info("stats")["total_commands_processed"]
+    assert channel.begin("r2") == (False, 1, False)
+    commands = r.info("stats")["total_commands_processed"] - before - 1  # less the INFO itself
+    assert commands <= 6, commands  # MULTI, EXISTS, INCR, EXPIRE, EXISTS, EXEC: one round trip
+    assert channel.begin("r2") == (False, 2, False)  # a redelivery is the second attempt
+    r.set("lorafleet:cancel:r2", 1)
+    assert channel.begin("r2") == (False, 3, True)
+    channel.push("r2", {"type": "final", "result": {}})
+    assert channel.begin("r2")[0] is True
+    assert 0 < r.ttl("lorafleet:attempts:r2") <= 24 * 3600
+
+
 
 def test_live_workers_lists_beating_workers_in_two_round_trips_however_many_keys_the_database_holds(redis_server):
     """The web refreshes this list every second per process (gateway/routing.py); it used to SCAN the keyspace,
