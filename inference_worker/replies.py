@@ -118,7 +118,8 @@ class RedisChannel:
 
     def live_workers(self) -> list[dict]:
         """Each live worker's last status, plus `expires_in_s`: how long it stays listed without another beat
-        (read on Redis's clock, so hosts with skewed clocks agree on it). Two round trips (WORKER_INDEX_KEY)."""
+        (read on Redis's clock, so hosts with skewed clocks agree on it). Two round trips (WORKER_INDEX_KEY),
+        and a third only when it prunes expired members."""
         ids = sorted(m.decode() for m in self._call(self._redis.smembers, WORKER_INDEX_KEY))
         if not ids:
             return []

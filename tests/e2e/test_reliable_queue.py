@@ -208,7 +208,6 @@ def test_a_worker_learns_done_attempts_and_cancel_in_one_round_trip(redis_server
     assert 0 < r.ttl("lorafleet:attempts:r2") <= 24 * 3600
 
 
-
 def test_live_workers_lists_beating_workers_in_two_round_trips_however_many_keys_the_database_holds(redis_server):
     """The web refreshes this list every second per process (gateway/routing.py); it used to SCAN the keyspace,
     which holds a day of requests' attempt and done flags (30k round trips at 100 requests/s)."""
@@ -231,6 +230,7 @@ def test_live_workers_lists_beating_workers_in_two_round_trips_however_many_keys
     # SMEMBERS; GET + PTTL for each of the two members; one SREM (a SCAN of these 20,000 keys took 40 and more)
     assert commands <= 6, f"{commands} commands for one refresh"
     assert r.smembers("lorafleet:workers") == {b"w-live"}  # the expired one is pruned as it is read
+
 
 @pytest.fixture(autouse=True)
 def _no_django_broker(monkeypatch):
