@@ -1,6 +1,7 @@
 """Issue 12: one tenant's numbers can neither break nor change another tenant's answers on a shared worker."""
 import hashlib
 import threading
+import time
 
 import torch
 from safetensors.torch import save
@@ -91,6 +92,35 @@ def test_fair_scheduling_serves_the_small_tenant_before_the_flood(tiny_llama):
     prefilled at once."""
     assert _first_tokens_before_small(tiny_llama, fair=False) == 8
     assert _first_tokens_before_small(tiny_llama, fair=True) <= 1
+
+
+def test_a_tenant_arriving_mid_flood_is_prefilled_before_the_floods_queued_prompts(tiny_llama):
+    """The flood's eight long prompts are admitted (and charged) at once but prefilled 128 tokens a step; a
+    small request arriving after the first of those steps starts at the service the flood has *received*,
+    not at what it has been charged for, so its prompt goes first in the next step's prefill budget. (When
+    it started level with the charges, it waited behind the whole queued flood, as under FIFO.)"""
+    runner = ModelRunner(tiny_llama, pool_pages=512, enable_lora=False)
+    eng = Engine(runner, lambda k: b"", max_running=64, prefill_chunk=128)
+    flood = [eng.submit(GenerationJob(f"f{i}", None, prompt_token_ids=[(i * 31 + k) % 500 + 1 for k in range(400)],
+                                      max_tokens=1, temperature=0.0, ignore_eos=True, tenant="flooder"))
+             for i in range(8)]
+    eng.start()
+    try:
+        while eng.stats()["steps"] < 1:  # the flood is admitted and its prefill under way
+            time.sleep(0.0005)
+        at_submit = eng.stats()["steps"]
+        small = eng.submit(GenerationJob("s", None, prompt_token_ids=PROMPT, max_tokens=4, temperature=0.0,
+                                         ignore_eos=True, tenant="small"))
+        s = small.result(timeout=60)
+        at_done = eng.stats()["steps"]
+        assert all(h.result(timeout=60).ok for h in flood)
+    finally:
+        eng.stop()
+    assert s.ok
+    # 3200 prompt tokens at 128 a step: 25 steps of prefill (the flood asks one token each, so its counter
+    # hardly moves until it is all in). The small request needs the next step for its prompt and three more
+    # for its other tokens: 5 steps here; 19 when it started level with the flood's charges.
+    assert at_done - at_submit <= 8, f"the small request took steps {at_submit}..{at_done}"
 
 
 def test_one_busy_tenant_gets_the_whole_engine(tiny_llama):

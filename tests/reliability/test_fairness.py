@@ -23,7 +23,10 @@ audit row (`_split`): web, engine (the worker's submit -> first token) and hando
 worker's `lorafleet_worker_tokens_generated_total` over S's flooded window (both tenants' tokens).
 
 Asserted in every run: no errors, and S's p95 *engine* time to first token (what the scheduler decides)
-under the flood lower with VTC than with FIFO — 8 of 8 runs on 2026-11-30, by 2.7x to 30x. S's
+under the flood lower with VTC than with FIFO, counted in the worker's mean steps — 8 of 8 runs on
+2026-11-30, by 2.7x to 30x in seconds; in CI on 2026-12-01 it failed in seconds (VTC 30 ms, FIFO 25 ms)
+with the VTC worker's steps 40% slower throughout (load average 2.9) and a newcomer lifted level with the
+flood's charged-but-unprefilled prompts (fixed in the engine: 16 ms against FIFO's 50 ms since). S's
 client-side p95 was lower with VTC in 7 of those 8 only: the web and the handoff, which the flood slows
 through the shared CPUs whatever the order, swamp it in 15 s phases. Asserted only in `make faults`
 (LORAFLEET_FAULTS_FULL=1): the issue's bounds, client-side VTC p95 <= 1.5x solo p95 and tok/s VTC >=
@@ -307,8 +310,11 @@ def test_a_flooding_tenant_does_not_take_the_small_tenants_first_token(rel_stack
         assert m["flood"]["ok"] > 0
         # the flooder's own answers are not what is measured: a rare timeout on an overloaded box is tolerated
         assert len(m["flood"]["errors"]) <= 0.01 * m["flood"]["ok"], m["flood"]["errors"][:3]
-    engine_p95 = {name: _pct(m["split_flooded"]["engine"], 0.95) for name, m in (("fifo", fifo), ("vtc", vtc))}
-    assert engine_p95["vtc"] < engine_p95["fifo"], f"S's engine p95 TTFT under the flood: {engine_p95}"
+    # in steps of the worker's own mean step under the flood: a worker slowed as a whole by the machine (the
+    # two run one after the other) does not count against its order
+    engine_steps = {name: _pct(m["split_flooded"]["engine"], 0.95) * m["steps_s"] for name, m in (("fifo", fifo),
+                                                                                               ("vtc", vtc))}
+    assert engine_steps["vtc"] < engine_steps["fifo"], f"S's engine p95 TTFT under the flood, in steps: {engine_steps}"
     if P95_BOUND is not None:
         assert ratio_vtc <= P95_BOUND, f"S's p95 TTFT went from {vtc['solo']['p95']:.3f}s to {vtc['flooded']['p95']:.3f}s"
     if TOKS_BOUND is not None:
