@@ -32,4 +32,5 @@ RUN useradd --create-home --uid 1000 lorafleet \
 
 USER lorafleet
 EXPOSE 8000
-CMD ["gunicorn", "config.wsgi:application", "--bind=0.0.0.0:8000", "--worker-class=gthread", "--threads=16"]
+# 128 threads: a tenant at the default concurrency cap (64) holds at most half (see docker-compose.yml's web)
+CMD ["gunicorn", "config.wsgi:application", "--bind=0.0.0.0:8000", "--worker-class=gthread", "--threads=128"]

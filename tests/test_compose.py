@@ -111,6 +111,29 @@ def test_web_serves_the_wsgi_app_with_gunicorn():
     assert command.startswith("gunicorn config.wsgi:application")
 
 
+def _gunicorn_threads(command: str) -> int:
+    """Request threads of a gunicorn gthread command line: workers (default 1) x threads."""
+    workers = re.search(r"--workers[= ](\d+)", command)
+    threads = re.search(r"--threads[= ](\d+)", command)
+    assert threads, command
+    return (int(workers.group(1)) if workers else 1) * int(threads.group(1))
+
+
+def test_one_tenant_at_its_cap_holds_at_most_half_the_webs_threads():
+    """Every inference request holds a web thread until the worker answers. With fewer threads than twice the
+    default per-tenant cap, one busy tenant could take most or all of them, and everyone else's requests would
+    wait in gunicorn's backlog, before any limit or fair scheduler sees them (the seed's 2 x 16 threads
+    against a cap of 64)."""
+    from tenants.models import Tenant
+
+    cap = Tenant._meta.get_field("max_concurrent_requests").default
+    compose = _resolve(_commands_as_text(SERVICES["web"]))
+    dockerfile = next(line for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("CMD "))
+    for where, command in (("docker-compose.yml", compose), ("Dockerfile", dockerfile)):
+        assert "gthread" in command, where
+        assert _gunicorn_threads(command) >= 2 * cap, f"{where}: {_gunicorn_threads(command)} web threads, cap {cap}"
+
+
 def test_web_worker_and_migrate_read_the_same_settings_from_one_image():
     shared = COMPOSE["x-lorafleet-env"]
     for name in DJANGO_SERVICES:
