@@ -55,10 +55,12 @@ trap 'exit 130' INT TERM
 
 BASE_SLUG=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["base"]["slug"])' "$KEYS")
 echo "Starting the inference worker for base $BASE_SLUG (log: $LOGS/worker.log) ..."
-"$PY" manage.py run_worker --base "$BASE_SLUG" --concurrency 8 --metrics-port 0 >"$LOGS/worker.log" 2>&1 &
+# The worker's default task threads (LORAFLEET_WORKER_CONCURRENCY, 128) and a web with as many threads: above
+# the demo tenants' concurrency cap (64), so one tenant at its cap never holds every thread of either.
+"$PY" manage.py run_worker --base "$BASE_SLUG" --metrics-port 0 >"$LOGS/worker.log" 2>&1 &
 PIDS+=($!)
 echo "Starting the web server on http://$HOST:$PORT (log: $LOGS/web.log) ..."
-"$PY" -m gunicorn config.wsgi:application --bind "$HOST:$PORT" --workers 1 --threads 16 --timeout 120 \
+"$PY" -m gunicorn config.wsgi:application --bind "$HOST:$PORT" --workers 1 --threads 128 --timeout 120 \
     >"$LOGS/web.log" 2>&1 &
 PIDS+=($!)
 
