@@ -43,6 +43,11 @@ class PagedKVCache:
         self._rows = [pool.data[layer].view(P, 2 * num_kv_heads, block_size * head_dim)
                       for layer in range(pool.num_layers)]
 
+    def pages(self, layer: int) -> torch.Tensor:
+        """A layer's pages as [P, 2 kv_heads, block_size * head_dim] (K heads, then V heads): what the native
+        decode attention reads in place."""
+        return self._rows[layer]
+
     @property
     def bytes(self) -> int:
         """Bytes of the pages KV blocks hold now."""

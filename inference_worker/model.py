@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels import paged_decode_attention
 from protocol.lora_layout import ModelShape
 from protocol.memory import PoolSplit, page_elements, split_budget, workspace_bytes
 
@@ -182,6 +183,7 @@ class _Decode:
 
     index: torch.Tensor | None  # int64 [B] their token indices, None when the whole step is decode
     blocks: torch.Tensor  # int64 [B, nb] KV blocks; L = nb * block_size positions (padding masked)
+    lens: torch.Tensor  # int64 [B] positions in the cache per sequence, the new token's included
     # window -> additive float [1, B, 1, L] (0 / -inf), or None. 4-D because SDPA on CPU takes its fast
     # (flash) kernel only for 4-D masks and falls back to the unfused math path otherwise.
     masks: dict[int | None, torch.Tensor | None]
@@ -350,6 +352,11 @@ class Block:
         cfg = self.cfg
         B, H, hd = q.shape
         KV, g = cfg.num_kv_heads, H // cfg.num_kv_heads
+        if self.runner.native_attention:  # CPU fp32: read K/V in place from the pages, no gather
+            y = paged_decode_attention(q, self.runner.kv.pages(self.layer), d.blocks, d.lens, kv_heads=KV,
+                                       window=self.window, scale=scale, threads=torch.get_num_threads())
+            if y is not None:
+                return y
         L = d.blocks.shape[1] * self.runner.block_size
         q4 = q.view(B, KV, g, hd).transpose(0, 1)  # [KV, B, g, hd]
         mask = d.masks[self.window]  # [1, B, 1, L] or None
@@ -401,6 +408,9 @@ class ModelRunner:
         elif packed_weights and not onednn_packing_available(self.device, self.dtype):
             raise ValueError("packed_weights=True needs a CPU runner in fp32 and a torch built with oneDNN")
         self.pack_rows: int | None = max_running if packed_weights else None  # the layout hint: the decode batch
+        # Decode attention on CPU in fp32 reads K/V in place from the pages (kernels/csrc/sgmv_cpu.c) instead of
+        # gathering them for SDPA; False (or LORAFLEET_KERNELS_NATIVE=0, or no C compiler) keeps the gather.
+        self.native_attention = self.device.type == "cpu" and self.dtype == torch.float32
         w = self._read_weights()
         self.weights_bytes = sum(t.numel() * t.element_size() for t in w.values())
         self.embed = w.pop("model.embed_tokens.weight")  # [vocab, hidden]
@@ -587,7 +597,8 @@ class ModelRunner:
                     masks[wdw] = additive[None, :, None]  # [1, B, 1, L]
             whole = not prefill_specs
             index = None if whole else torch.tensor(decode_idx, dtype=torch.int64, device=dev)
-            decode = _Decode(index=index, blocks=table, masks=masks)
+            decode = _Decode(index=index, blocks=table, lens=torch.tensor(lens, dtype=torch.int64, device=dev),
+                             masks=masks)
 
         prefills = []
         for first, s in prefill_specs:

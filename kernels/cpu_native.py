@@ -1,4 +1,5 @@
-"""Build and call the native SGMV kernel (csrc/sgmv_cpu.c) through ctypes.
+"""Build and call the native CPU kernels (csrc/sgmv_cpu.c: SGMV, and decode attention over the paged KV
+cache) through ctypes.
 
 Why not a torch C++ extension: `load_inline` needs ~1 minute of compilation against the torch headers,
 while this plain C file builds in about a second and ctypes calls it in a few microseconds. The shared
@@ -35,6 +36,14 @@ _ARGTYPES = (
     _i64, _i64, ctypes.c_int,  # d_in, d_out, threads
 )
 
+_ATTN_ARGTYPES = (
+    _i64, _p, _i64,  # B, q, q row stride
+    _p, _i64,  # the layer's pages, page stride (elements)
+    _p, _i64, _p,  # block table int64 [B, nb], nb, lens int64 [B]
+    _p, _i64,  # out, row stride
+    _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int,  # kv heads, g, head dim, block size, window, scale, threads
+)
+
 
 def _cache_dir() -> Path:
     default = Path(__file__).resolve().parent.parent / "var" / "kernels"
@@ -60,8 +69,8 @@ def _build(target: Path) -> None:
         tmp_path = Path(tmp.name)
     try:
         # the compiler found on PATH, our flags and our source file: no outside input reaches the command
-        subprocess.run([compiler, *_FLAGS, "-o", str(tmp_path), str(_SOURCE)], check=True, capture_output=True,  # noqa: S603
-                       timeout=120)
+        subprocess.run([compiler, *_FLAGS, "-o", str(tmp_path), str(_SOURCE), "-lm"], check=True,  # noqa: S603
+                       capture_output=True, timeout=120)
         os.replace(tmp_path, target)
     finally:
         tmp_path.unlink(missing_ok=True)
@@ -88,5 +97,30 @@ def load() -> ctypes.CDLL | None:
             return None
         lib.sgmv_add_f32.argtypes = _ARGTYPES
         lib.sgmv_add_f32.restype = None
+        lib.paged_decode_attention_f32.argtypes = _ATTN_ARGTYPES
+        lib.paged_decode_attention_f32.restype = ctypes.c_int
         _lib = lib
     return _lib
+
+
+def paged_decode_attention(q, pages, blocks, lens, *, kv_heads: int, window: int | None, scale: float, threads: int):
+    """Decode attention read straight from the paged KV cache: q fp32 [B, H, hd] (one query per sequence),
+    pages fp32 [P, 2 * kv_heads, block_size * hd] (a layer's pages, K heads then V heads), blocks int64
+    [B, nb], lens int64 [B] (positions in the cache, the query's own included) -> [B, H * hd]; None when the
+    native library or these shapes are not covered (the caller then gathers and uses SDPA)."""
+    import torch
+
+    lib = load()
+    B, H, hd = q.shape
+    if (lib is None or q.dtype != torch.float32 or pages.dtype != torch.float32 or q.device.type != "cpu"
+            or H % kv_heads or not pages.is_contiguous() or q.stride(2) != 1 or q.stride(1) != hd):
+        return None
+    blocks = blocks.contiguous()
+    lens = lens.contiguous()
+    out = torch.empty(B, H * hd, dtype=q.dtype)
+    bs = pages.shape[2] // hd
+    rc = lib.paged_decode_attention_f32(
+        B, q.data_ptr(), q.stride(0), pages.data_ptr(), pages.stride(0), blocks.data_ptr(), blocks.shape[1],
+        lens.data_ptr(), out.data_ptr(), out.stride(0), kv_heads, H // kv_heads, hd, bs, window or 0, scale,
+        threads)
+    return out if rc == 0 else None

@@ -1,4 +1,4 @@
-/* SGMV on CPU, fp32: out[t] += scale[slot] * B_slot @ (A_slot @ x[t]) per active segment, reading each
+/* SGMV on CPU, fp32 (and, at the end, decode attention over the paged KV cache): out[t] += scale[slot] * B_slot @ (A_slot @ x[t]) per active segment, reading each
  * slot's weights where the memory pool put them.
  *
  * Built by kernels/cpu_native.py with gcc -O3 -march=native -ffast-math and called through ctypes, so
@@ -9,6 +9,7 @@
  *   expand: out[t, :] += scale * sum_j y[t, j] * B^T[j, :] (rank axpys over contiguous rows)
  * Work and memory traffic are proportional to each slot's real rank; tokens without weights never appear.
  */
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -124,21 +125,22 @@ static void run_segment(const sgmv_args *p, int64_t g) {
  * has actually claimed. A helper that wakes late finds no work and sleeps again. After fork() the
  * child starts a fresh pool on its first parallel call. */
 typedef struct {
-    sgmv_args p;
-    int64_t G;
-    atomic_long next;    /* next unclaimed segment */
+    void (*run)(const void *args, int64_t unit);
+    const void *args;
+    int64_t G;           /* units of work */
+    atomic_long next;    /* next unclaimed unit */
     atomic_int active;   /* helpers inside this job */
-} sgmv_job;
+} pool_job_t;
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
-static sgmv_job *pool_job = NULL;
+static pool_job_t *pool_job = NULL;
 static long pool_generation = 0;
 static int pool_helpers = 0;
 
-static void work_on(sgmv_job *job) {
+static void work_on(pool_job_t *job) {
     for (int64_t g = atomic_fetch_add(&job->next, 1); g < job->G; g = atomic_fetch_add(&job->next, 1))
-        run_segment(&job->p, g);
+        job->run(job->args, g);
 }
 
 static void *helper_main(void *unused) {
@@ -147,7 +149,7 @@ static void *helper_main(void *unused) {
     for (;;) {
         pthread_mutex_lock(&pool_mu);
         while (pool_job == NULL || pool_generation == seen) pthread_cond_wait(&pool_cv, &pool_mu);
-        sgmv_job *job = pool_job;
+        pool_job_t *job = pool_job;
         seen = pool_generation;
         atomic_fetch_add(&job->active, 1);  /* under the lock: the caller cannot retire the job now */
         pthread_mutex_unlock(&pool_mu);
@@ -181,21 +183,16 @@ static void ensure_helpers(int wanted) {
     pthread_mutex_unlock(&pool_mu);
 }
 
-/* y: scratch [T, sy] fp32, sy >= every rank. w: the flat weight buffer; a_offs, b_offs: int64 [S] element
- * offsets of each slot's A and B^T in it. One unit of work is a whole segment (its shrink then its
- * expand), so units never wait on each other. nthreads <= 1 runs on the calling thread only. */
-void sgmv_add_f32(int64_t G, const int32_t *starts, const int32_t *lens, const int32_t *slots,
-                  const int32_t *ranks, const float *x, int64_t sx, const float *w, const int64_t *a_offs,
-                  const int64_t *b_offs, float *out, int64_t so, const float *scales, float *y, int64_t sy,
-                  int64_t d_in, int64_t d_out, int nthreads) {
-    sgmv_args p = {starts, lens, slots, ranks, x, w, scales, a_offs, b_offs, out, y, sx, so, sy, d_in, d_out};
+/* Units 0..G-1 of run(args, unit) on the calling thread and up to nthreads - 1 helpers. */
+static void parallel_for(void (*run)(const void *, int64_t), const void *args, int64_t G, int nthreads) {
     if (nthreads <= 1 || G <= 1) {
-        for (int64_t g = 0; g < G; g++) run_segment(&p, g);
+        for (int64_t g = 0; g < G; g++) run(args, g);
         return;
     }
     ensure_helpers(nthreads - 1);
-    sgmv_job job;
-    job.p = p;
+    pool_job_t job;
+    job.run = run;
+    job.args = args;
     job.G = G;
     atomic_init(&job.next, 0);
     atomic_init(&job.active, 0);
@@ -210,5 +207,104 @@ void sgmv_add_f32(int64_t G, const int32_t *starts, const int32_t *lens, const i
     pthread_mutex_lock(&pool_mu);
     pool_job = NULL;  /* no helper can join from here on */
     pthread_mutex_unlock(&pool_mu);
-    while (atomic_load(&job.active) > 0) sched_yield();  /* only helpers mid-segment */
+    while (atomic_load(&job.active) > 0) sched_yield();  /* only helpers mid-unit */
+}
+
+static void run_segment_unit(const void *args, int64_t g) { run_segment((const sgmv_args *)args, g); }
+
+/* y: scratch [T, sy] fp32, sy >= every rank. w: the flat weight buffer; a_offs, b_offs: int64 [S] element
+ * offsets of each slot's A and B^T in it. One unit of work is a whole segment (its shrink then its
+ * expand), so units never wait on each other. nthreads <= 1 runs on the calling thread only. */
+void sgmv_add_f32(int64_t G, const int32_t *starts, const int32_t *lens, const int32_t *slots,
+                  const int32_t *ranks, const float *x, int64_t sx, const float *w, const int64_t *a_offs,
+                  const int64_t *b_offs, float *out, int64_t so, const float *scales, float *y, int64_t sy,
+                  int64_t d_in, int64_t d_out, int nthreads) {
+    sgmv_args p = {starts, lens, slots, ranks, x, w, scales, a_offs, b_offs, out, y, sx, so, sy, d_in, d_out};
+    parallel_for(run_segment_unit, &p, G, nthreads);
+}
+
+/* ---- decode attention over the paged KV cache --------------------------------------------------------
+ * One query token per sequence, read straight from the pool's pages: no gather of K/V into a contiguous
+ * copy first (on CPU the gathers cost more than the attention itself). A layer's pages are
+ * [P, 2 KV, bs, hd] fp32 (kv_cache.py: K heads then V heads, each page's head a contiguous bs x hd run).
+ * One unit = one (sequence, KV head): its g query heads (GQA) share every K/V row read. Online softmax
+ * block by block (a running max and sum per query head, rescaled once per block), so no score buffer
+ * grows with the context. Positions attended: [max(0, len - window), len) with window <= 0 meaning all. */
+#define ATTN_MAX_G 64
+#define ATTN_MAX_BS 256  /* positions per block */
+#define ATTN_MAX_ACC 8192  /* g x hd accumulators per unit (32 KB on the stack) */
+
+typedef struct {
+    const float *q;          /* [B, KV * g, hd], row stride sq */
+    const float *pages;      /* the layer's pages */
+    const int64_t *blocks;   /* [B, nb] page ids */
+    const int64_t *lens;     /* [B] tokens in the cache, the query's own included */
+    float *out;              /* [B, KV * g * hd], row stride so */
+    int64_t sq, so, page_stride, nb, kv, g, hd, bs, window;
+    float scale;
+} attn_args;
+
+static void attn_unit(const void *args, int64_t unit) {
+    const attn_args *a = (const attn_args *)args;
+    const int64_t b = unit / a->kv, h = unit % a->kv, g = a->g, hd = a->hd, bs = a->bs;
+    const int64_t len = a->lens[b];
+    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    const float *q = a->q + b * a->sq + h * g * hd;
+    float m[ATTN_MAX_G], l[ATTN_MAX_G];
+    float s[ATTN_MAX_G * ATTN_MAX_BS] __attribute__((aligned(64)));  /* one block's scores, per query head */
+    float acc[ATTN_MAX_ACC] __attribute__((aligned(64)));
+    for (int64_t j = 0; j < g; j++) { m[j] = -3.0e38f; l[j] = 0.f; }
+    memset(acc, 0, (size_t)(g * hd) * sizeof(float));
+    for (int64_t t0 = start - start % bs; t0 < len; t0 += bs) {
+        const float *page = a->pages + a->blocks[b * a->nb + t0 / bs] * a->page_stride;
+        const float *K = page + h * bs * hd, *V = page + (a->kv + h) * bs * hd;
+        const int64_t lo = (start > t0 ? start : t0) - t0, hi = min64(len, t0 + bs) - t0;
+        for (int64_t i = lo; i < hi; i++) {  /* scores: each key row read once for the g query heads */
+            const float *k = K + i * hd;
+            for (int64_t j = 0; j < g; j++) {
+                const float *qj = q + j * hd;
+                float d = 0.f;
+                #pragma omp simd reduction(+:d)
+                for (int64_t c = 0; c < hd; c++) d += qj[c] * k[c];
+                s[j * bs + i] = d * a->scale;
+            }
+        }
+        for (int64_t j = 0; j < g; j++) {  /* online softmax, one rescale per block */
+            float *sj = s + j * bs, *accj = acc + j * hd;
+            float bm = m[j];
+            for (int64_t i = lo; i < hi; i++) bm = sj[i] > bm ? sj[i] : bm;
+            const float c = expf(m[j] - bm);
+            m[j] = bm;
+            float sum = 0.f;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t i = lo; i < hi; i++) { sj[i] = expf(sj[i] - bm); sum += sj[i]; }
+            l[j] = l[j] * c + sum;
+            if (c != 1.f) {
+                #pragma omp simd
+                for (int64_t c2 = 0; c2 < hd; c2++) accj[c2] *= c;
+            }
+            for (int64_t i = lo; i < hi; i++) {
+                const float pw = sj[i], *v = V + i * hd;
+                #pragma omp simd
+                for (int64_t c2 = 0; c2 < hd; c2++) accj[c2] += pw * v[c2];
+            }
+        }
+    }
+    float *o = a->out + b * a->so + h * g * hd;
+    for (int64_t j = 0; j < g; j++) {
+        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+        #pragma omp simd
+        for (int64_t c = 0; c < hd; c++) o[j * hd + c] = acc[j * hd + c] * inv;
+    }
+}
+
+/* Returns 0, or -1 when the shapes are beyond the kernel's fixed bounds (the caller then gathers). */
+int paged_decode_attention_f32(int64_t B, const float *q, int64_t sq, const float *pages, int64_t page_stride,
+                               const int64_t *blocks, int64_t nb, const int64_t *lens, float *out, int64_t so,
+                               int64_t kv, int64_t g, int64_t hd, int64_t bs, int64_t window, float scale,
+                               int nthreads) {
+    if (g < 1 || g > ATTN_MAX_G || hd < 1 || g * hd > ATTN_MAX_ACC || bs < 1 || bs > ATTN_MAX_BS) return -1;
+    attn_args a = {q, pages, blocks, lens, out, sq, so, page_stride, nb, kv, g, hd, bs, window, scale};
+    parallel_for(attn_unit, &a, B * kv, nthreads);
+    return 0;
 }

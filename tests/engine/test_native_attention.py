@@ -1,0 +1,43 @@
+"""The runner's decode attention on CPU reads K/V in place from the pages (kernels.paged_decode_attention);
+with it switched off the runner gathers them for SDPA. A decode step of sequences of different lengths gives
+the same logits either way, with full attention and with a sliding window (set on the runner: the tiny bases
+have none)."""
+import dataclasses
+
+import pytest
+import torch
+
+from inference_worker.model import ModelRunner, SeqStep
+
+
+@pytest.mark.parametrize("base,window", [("tiny_llama", None), ("tiny_mistral", None), ("tiny_llama", 20)])
+def test_decode_logits_are_the_same_read_in_place_or_gathered(base, window, request):
+    runner = ModelRunner(request.getfixturevalue(base), pool_pages=128, enable_lora=False)
+    assert runner.native_attention
+    if window is not None:
+        runner.config = dataclasses.replace(runner.config, sliding_windows=[window] * runner.config.num_layers)
+        for block in runner.blocks:
+            block.window = window
+    lengths = [3, 16, 17, 45, 70]  # within a block, a full block, one past, several blocks
+    tables, next_page = [], 0
+    for n in lengths:
+        nb = n // runner.block_size + 1
+        tables.append(list(range(next_page, next_page + nb)))
+        next_page += nb
+    prompts = [[(7 * i + 3 * k) % 200 + 1 for k in range(n)] for i, n in enumerate(lengths)]
+    runner.forward([SeqStep(t, 0, p) for t, p in zip(tables, prompts, strict=True)])
+    decode = [SeqStep(t, n, [5 + i]) for i, (t, n) in enumerate(zip(tables, lengths, strict=True))]
+
+    calls = []
+    import inference_worker.model as model
+
+    real = model.paged_decode_attention
+    model.paged_decode_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        in_place = runner.forward(decode)
+    finally:
+        model.paged_decode_attention = real
+    assert len(calls) == runner.config.num_layers  # every layer read the pages in place
+    runner.native_attention = False
+    gathered = runner.forward(decode)  # the same step again: writes the same K/V, reads them by gathering
+    torch.testing.assert_close(in_place, gathered, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,57 @@
+"""Decode attention read in place from the paged KV cache (kernels/csrc/sgmv_cpu.c, `paged_decode_attention`):
+the same numbers as gathering each sequence's keys and values and running softmax attention over them, for
+every shape the models here use — grouped-query heads, sliding windows, sequences ending mid-block, pages in
+any order — on one thread and on helper threads."""
+import math
+
+import pytest
+import torch
+
+from kernels import cpu_native, paged_decode_attention
+
+
+def _reference(q, pages, blocks, lens, kv_heads, window, scale):
+    B, H, hd = q.shape
+    g = H // kv_heads
+    bs = pages.shape[2] // hd
+    out = torch.empty(B, H * hd, dtype=torch.float64)
+    for b in range(B):
+        n = int(lens[b])
+        start = max(0, n - window) if window else 0
+        pos = torch.arange(start, n)
+        pg = blocks[b, pos // bs]
+        rows = pages.view(pages.shape[0], 2 * kv_heads, bs, hd)[pg, :, pos % bs].double()  # [n, 2 KV, hd]
+        for h in range(H):
+            k, v = rows[:, h // g], rows[:, kv_heads + h // g]
+            w = torch.softmax((k @ q[b, h].double()) * scale, dim=0)
+            out[b, h * hd:(h + 1) * hd] = w @ v
+    return out
+
+
+@pytest.mark.parametrize("kv_heads,g,hd,bs,window", [(4, 1, 32, 16, None), (2, 3, 64, 16, None),
+                                                     (3, 3, 64, 16, 40), (1, 8, 16, 8, 5), (2, 4, 128, 32, None)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_it_equals_softmax_attention_over_the_gathered_cache(kv_heads, g, hd, bs, window, threads):
+    assert cpu_native.load() is not None, "the native CPU kernels did not build (is gcc installed?)"
+    gen = torch.Generator().manual_seed(kv_heads * 100 + g * 10 + hd)
+    B, P = 7, 200
+    lens = torch.tensor([1, 5, bs, bs + 1, 3 * bs - 1, 77, 130], dtype=torch.int64)
+    nb = -(-int(lens.max()) // bs)
+    blocks = torch.randperm(P, generator=gen)[:B * nb].view(B, nb).contiguous()  # pages in any order
+    pages = torch.randn(P, 2 * kv_heads, bs * hd, generator=gen) * 2
+    q = torch.randn(B, kv_heads * g, hd, generator=gen) * 2
+    scale = 1 / math.sqrt(hd)
+    got = paged_decode_attention(q, pages, blocks, lens, kv_heads=kv_heads, window=window, scale=scale,
+                                 threads=threads)
+    assert got is not None and got.shape == (B, kv_heads * g * hd)
+    want = _reference(q, pages, blocks, lens, kv_heads, window, scale)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_shapes_it_does_not_cover_are_left_to_the_gather_path():
+    blocks, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    pages = torch.zeros(4, 2, 16 * 8)
+    not_fp32 = torch.zeros(1, 1, 8, dtype=torch.float64), pages.double()
+    heads_strided = torch.zeros(1, 8, 1).transpose(1, 2), pages  # [1, 1, 8] with head stride 1
+    for q, pg in (not_fp32, heads_strided):
+        assert paged_decode_attention(q, pg, blocks, lens, kv_heads=1, window=None, scale=1.0, threads=1) is None
