@@ -3,9 +3,10 @@
 One `forward(steps)` runs one engine iteration: any mix of prefill chunks and decode tokens, of any
 adapters, as one batch. Every projection is one GEMM over all tokens of the step (q/k/v and gate/up are
 fused), plus the batched LoRA term from `kernels.add_lora` with one mapping per step. Attention is
-batched too: all decode tokens of the step attend in one matmul over a padded gather of their KV blocks
-(`[kv_heads, B, L, head_dim]`); prefill chunks attend one sequence at a time through SDPA (a chunk is
-already a big matrix, and prefill is rarer than decode).
+batched too: all decode tokens of the step attend in one call — on CPU in fp32 a native kernel reading K/V
+in place from the pages (`kernels.paged_decode_attention`), elsewhere SDPA over a padded gather of their
+KV blocks (`[kv_heads, B, L, head_dim]`); prefill chunks attend one sequence at a time through SDPA (a
+chunk is already a big matrix, and prefill is rarer than decode).
 
 nanoGPT shape: a config dataclass, one block class, one model class; weights read straight from the
 checkpoint's *.safetensors with Hugging Face's tensor names. Django-free.
