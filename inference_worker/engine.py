@@ -254,12 +254,11 @@ class Engine:
         # least service the active have *received*, so idle time is not banked. Work-conserving: one busy
         # tenant gets everything.
         # A prompt is charged in full at admission (the paper's rule: admission order must see it at once),
-        # but prefilled in chunks over several steps: `_unserved` holds each tenant's charged prompt tokens
-        # not yet prefilled. The lift of a tenant that becomes active leaves them out — otherwise a newcomer
-        # would start level with the flood's queued prompts and wait behind them in the prefill budget.
+        # but prefilled in chunks over several steps. The lift of a tenant that becomes active leaves the
+        # running requests' charged-but-unprefilled prompt tokens out — otherwise a newcomer would start level
+        # with the flood's queued prompts and wait behind them in the prefill budget.
         self.fair = fair  # False: every job counts as one tenant, i.e. plain FIFO (for comparisons)
         self._vtc: dict[str, float] = defaultdict(float)
-        self._unserved: dict[str, float] = defaultdict(float)
         self._active: dict[str, int] = defaultdict(int)  # tenant -> requests waiting or running
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -406,7 +405,11 @@ class Engine:
         else:
             t = job.tenant
             if self._active[t] == 0:  # becomes active: no banking of idle time
-                others = [self._vtc[x] - self._unserved[x] for x, n in self._active.items() if n > 0]
+                unserved: dict[str, float] = defaultdict(float)  # charged at admission, not yet prefilled
+                for r in self._running:
+                    if not r.done:
+                        unserved[r.job.tenant] += W_PROMPT * (len(r.prompt_ids) - r.prefilled)
+                others = [self._vtc[x] - unserved[x] for x, n in self._active.items() if n > 0]
                 if others:
                     self._vtc[t] = max(self._vtc[t], min(others))
             self._active[t] += 1
@@ -504,7 +507,6 @@ class Engine:
             elif outcome == "admitted":
                 running_seqs += req.n
                 self._vtc[t] += W_PROMPT * len(req.prompt_ids)  # the prompt is read once, whatever n
-                self._unserved[t] += W_PROMPT * len(req.prompt_ids)
             if queues[t]:
                 heapq.heappush(heap, (self._vtc[t], queues[t][0].key, t))
         kept.sort(key=lambda r: r.key)
@@ -608,7 +610,6 @@ class Engine:
                 self._fail(req, ErrorCode.INTERNAL_ERROR, f"computing prompt logprobs failed: {exc!r}")
                 continue
             req.prefilled += n
-            self._unserved[req.job.tenant] -= W_PROMPT * n
             if req.prefilled >= len(req.prompt_ids):  # the prompt is in: every sequence samples from this row
                 self._fork(req)
                 rows += [i] * req.live
@@ -754,8 +755,6 @@ class Engine:
         if req.counted:  # it was waiting or running: its tenant has one request fewer in the engine
             req.counted = False
             self._active[req.job.tenant] -= 1
-        if req.t_admit is not None and req.prefilled < len(req.prompt_ids):  # charged, never all prefilled
-            self._unserved[req.job.tenant] -= W_PROMPT * (len(req.prompt_ids) - req.prefilled)
         self._by_handle.pop(id(req.handle), None)
         now = time.perf_counter()
         job = req.job
