@@ -135,7 +135,8 @@ def fleet_stack(base_env: dict, checkpoint: Path, django, root: Path):
                                           checkpoint=str(checkpoint), work=str(root), n=ADAPTERS))
         yield SimpleNamespace(stack=stack, env=env, root=root, base=seeded["base"], queue=seeded["queue"],
                               models=seeded["names"], key=seeded["key"], broker=redis.Redis.from_url(broker_url),
-                              db_url=env["DATABASE_URL"], checkpoint=checkpoint, suffix=suffix, django=django)
+                              db_url=env["DATABASE_URL"], checkpoint=checkpoint, suffix=suffix, django=django,
+                              workers_started=[])
     finally:
         stack.close()
         broker.kill()
@@ -146,6 +147,15 @@ def fleet(e2e, tmp_path_factory):
     """Over the e2e session's database (already migrated); tests/reliability/test_faults.py builds one over its own."""
     with fleet_stack(e2e.env, e2e.checkpoint, e2e.stack.django, tmp_path_factory.mktemp("fleet")) as fl:
         yield fl
+
+
+@pytest.fixture(autouse=True)
+def own_workers(fleet):
+    """Each test starts its own workers; whatever it started is stopped when it ends, failed or not, so a test
+    that fails half-way leaves no worker to answer the next test's requests."""
+    yield
+    while fleet.workers_started:
+        fleet.workers_started.pop().stop()
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
@@ -167,6 +177,7 @@ def start_workers(fl, n: int, tag: str, args: tuple[str, ...] = WORKER_ARGS, env
                                           str(port), "--loglevel", "WARNING", *args], {**fl.env, **(env or {})},
                     fl.root)
         fl.stack.procs.append(proc)
+        fl.workers_started.append(proc)
         workers.append(SimpleNamespace(proc=proc, metrics_url=f"http://127.0.0.1:{port}/metrics"))
     procs = tuple(w.proc for w in workers)
     wait_until(lambda: len(live(fl, {p.popen.pid for p in procs})) == n, 180, f"{n} workers' heartbeats", procs)
@@ -322,20 +333,31 @@ def affinity_and_failover(fl) -> None:
     published_late = [r for r in mine if by_id.get(r["request_id"], {}).get("started", 0) > killed_at + HEARTBEAT_TTL_S]
     assert not published_late, published_late[:3]
     redelivered = [r for r in mine if r["request_id"] in by_id]
-    assert all(rows[r["request_id"]]["worker_id"] != victim.worker_id for r in redelivered)
+    # A job the victim had taken may carry its answer: the kill can fall between publishing a final answer and
+    # acknowledging the job (LREM), and the job then comes back through the reaper already done, is not run
+    # again, and its one answer is the victim's, given on its first delivery. A job still queued for it was never
+    # started there: the others answer it.
+    answered_by_victim = [r for r in redelivered if rows[r["request_id"]]["worker_id"] == victim.worker_id]
+    assert all(r["was"] == "taken" and rows[r["request_id"]]["attempts"] == 1 for r in answered_by_victim), \
+        [(r, rows[r["request_id"]]) for r in answered_by_victim]
     # the victim's adapters: those it answered before the kill; after one TTL the others answer them
     owned = {o["model"] for o in outcomes if rows[o["request_id"]]["worker_id"] == victim.worker_id}
     after = [o for o in outcomes if o["started"] > killed_at + HEARTBEAT_TTL_S + 1]
     rehomed = {o["model"] for o in after if o["model"] in owned}
     assert owned and rehomed, "the killed worker owned adapters that were asked for again after it died"
-    assert all(rows[o["request_id"]]["worker_id"] in {w.worker_id for w in others} for o in after)
+    late = [(o, rows[o["request_id"]]["worker_id"]) for o in after
+            if rows[o["request_id"]]["worker_id"] not in {w.worker_id for w in others}]
+    assert not late, (late[:3], victim.worker_id)
     attempts = Counter(rows[o["request_id"]]["attempts"] for o in outcomes)
-    unstarted = sum(rows[r["request_id"]]["attempts"] == 1 for r in redelivered if r["was"] == "taken")
+    unstarted = sum(rows[r["request_id"]]["attempts"] == 1 for r in redelivered
+                    if r["was"] == "taken" and r not in answered_by_victim)
     print(f"  kill -9 of one worker under {CLIENTS} clients: {len(outcomes)} requests, all 200, 0 lost, 0 pending, "
           f"0 answered twice; {len(mine)} of its jobs handed back ({dict(Counter(r['was'] for r in mine))}; {unstarted} "
           f"taken but not yet started), "
-          f"{len(redelivered)} of them answered by the others; attempts {dict(attempts)}; {len(owned)} adapters it "
-          f"owned, {len(rehomed)} of them asked for again after the kill and answered by the other two; slowest "
+          f"{len(redelivered) - len(answered_by_victim)} of them answered by the others, "
+          f"{len(answered_by_victim)} answered by it before the kill (only the acknowledgement lost); "
+          f"attempts {dict(attempts)}; {len(owned)} adapters it owned, {len(rehomed)} of them asked for again after "
+          f"the kill and answered by the other two; slowest "
           f"{max(o['seconds'] for o in outcomes):.1f} s")
     stop(workers)
 
