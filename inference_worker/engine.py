@@ -561,14 +561,27 @@ class Engine:
     def _step(self) -> None:
         t0 = time.perf_counter()
         # Prefill budget goes to the tenant with the least service first (VTC), and within a tenant in
-        # admission order, so an old long prompt is not starved by its own tenant's newer ones.
+        # admission order, so an old long prompt is not starved by its own tenant's newer ones. Another tenant's
+        # chunk rides in the same step only if it is no longer than what the least-served tenant reads in it:
+        # on a CPU a step's time grows with its tokens, and the least-served tenant's first token must not wait
+        # for a chunk of (say) a flood's queued prompts. Small prompts of several tenants still share a step;
+        # decodes always ride. A deferred chunk waits one step per prompt of the tenant behind, never more: that
+        # tenant is charged as it is served.
         budget = self.prefill_chunk
+        lead: str | None = None  # the tenant first given prefill budget in this step
+        lead_tokens = 0
         batch: list[tuple[_Request, _Seq | None, SeqStep]] = []  # seq None: a prefill chunk of the request
         for req in sorted(self._running, key=lambda r: (self._vtc[r.job.tenant], r.key)):
             start = req.prefilled
             left = len(req.prompt_ids) - start
             if left > 0:
                 if budget <= 0:
+                    continue
+                if lead is None:
+                    lead = req.job.tenant
+                if req.job.tenant == lead:
+                    lead_tokens += min(left, budget)
+                elif min(left, budget) > lead_tokens:
                     continue
                 n = min(left, budget)
                 budget -= n

@@ -123,6 +123,61 @@ def test_a_tenant_arriving_mid_flood_is_prefilled_before_the_floods_queued_promp
     assert at_done - at_submit <= 8, f"the small request took steps {at_submit}..{at_done}"
 
 
+def _recording(runner) -> list[list[tuple[int, tuple[int, ...]]]]:
+    """Every forward the engine runs, as (start_pos, token ids) per sequence step."""
+    forwards: list[list[tuple[int, tuple[int, ...]]]] = []
+    forward = runner.forward
+
+    def record(steps):
+        forwards.append([(s.start_pos, tuple(s.token_ids)) for s in steps])
+        return forward(steps)
+
+    runner.forward = record
+    return forwards
+
+
+def test_a_newcomers_prompt_does_not_share_its_step_with_the_floods_prefill(tiny_llama):
+    """On a CPU a step's time grows with its tokens: the small tenant's prompt is prefilled in a step that
+    carries the flood's decodes but none of its queued prompt chunks (the flood, thousands of tokens of
+    service ahead, gets its prefill again in the next step)."""
+    runner = ModelRunner(tiny_llama, pool_pages=512, enable_lora=False)
+    forwards = _recording(runner)
+    eng = Engine(runner, lambda k: b"", max_running=64, prefill_chunk=128)
+    flood = [eng.submit(GenerationJob(f"f{i}", None, prompt_token_ids=[(i * 31 + k) % 500 + 1 for k in range(400)],
+                                      max_tokens=4, temperature=0.0, ignore_eos=True, tenant="flooder"))
+             for i in range(8)]
+    eng.start()
+    try:
+        while eng.stats()["steps"] < 2:
+            time.sleep(0.0005)
+        small = eng.submit(GenerationJob("s", None, prompt_token_ids=PROMPT, max_tokens=4, temperature=0.0,
+                                         ignore_eos=True, tenant="small"))
+        assert small.result(timeout=60).ok
+        assert all(h.result(timeout=60).ok for h in flood)
+    finally:
+        eng.stop()
+    at = next(i for i, f in enumerate(forwards) if (0, tuple(PROMPT)) in f)
+    others = [ids for pos, ids in forwards[at] if (pos, ids) != (0, tuple(PROMPT))]
+    assert all(len(ids) == 1 for ids in others), [len(ids) for ids in others]  # decodes only, if any
+    assert any(len(ids) > 1 for pos, ids in forwards[at + 1]), "the flood's prefill goes on in the next step"
+
+
+def test_tenants_level_with_each_other_share_a_prefill_step(tiny_llama):
+    """Three tenants arriving together (counters level) have their prompts prefilled in one step, not one
+    tenant a step."""
+    runner = ModelRunner(tiny_llama, pool_pages=256, enable_lora=False)
+    forwards = _recording(runner)
+    eng = Engine(runner, lambda k: b"", max_running=16, prefill_chunk=128)
+    hs = [eng.submit(GenerationJob(f"t{i}", None, prompt_token_ids=[p + i for p in PROMPT] * 3, max_tokens=2,
+                                   temperature=0.0, ignore_eos=True, tenant=f"tenant-{i}")) for i in range(3)]
+    eng.start()
+    try:
+        assert all(h.result(timeout=60).ok for h in hs)
+    finally:
+        eng.stop()
+    assert sorted(len(ids) for _, ids in forwards[0]) == [24, 24, 24], forwards[0]
+
+
 def test_one_busy_tenant_gets_the_whole_engine(tiny_llama):
     """Work-conserving: a tenant alone is admitted up to max_running at once, whatever its counter."""
     runner = ModelRunner(tiny_llama, pool_pages=512, enable_lora=False)
