@@ -21,6 +21,10 @@ from pathlib import Path
 
 _SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.c"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
+# Decode attention runs on the caller's OpenMP team (csrc/sgmv_cpu.c says why). The library then needs
+# libgomp.so.1, which resolves to the copy torch has already loaded (torch is imported first, in load()), so
+# both share one runtime and one team per thread; a compiler without OpenMP builds without it (helpers only).
+_OPENMP_FLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -69,8 +73,14 @@ def _build(target: Path) -> None:
         tmp_path = Path(tmp.name)
     try:
         # the compiler found on PATH, our flags and our source file: no outside input reaches the command
-        subprocess.run([compiler, *_FLAGS, "-o", str(tmp_path), str(_SOURCE), "-lm"], check=True,  # noqa: S603
-                       capture_output=True, timeout=120)
+        for extra in (_OPENMP_FLAGS, []):
+            try:
+                subprocess.run([compiler, *_FLAGS, *extra, "-o", str(tmp_path), str(_SOURCE), "-lm"],  # noqa: S603
+                               check=True, capture_output=True, timeout=120)
+                break
+            except subprocess.CalledProcessError:
+                if not extra:
+                    raise
         os.replace(tmp_path, target)
     finally:
         tmp_path.unlink(missing_ok=True)
@@ -87,7 +97,10 @@ def load() -> ctypes.CDLL | None:
         _tried = True
         if os.environ.get("LORAFLEET_KERNELS_NATIVE", "1") == "0":
             return None
-        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_fingerprint().encode())
+        import torch  # noqa: F401  (first: the library's libgomp.so.1 is then torch's, already loaded)
+
+        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS + _OPENMP_FLAGS).encode()
+                             + _cpu_fingerprint().encode())
         target = _cache_dir() / f"sgmv_cpu_{key.hexdigest()[:16]}.so"
         try:
             if not target.exists():

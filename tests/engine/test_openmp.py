@@ -84,3 +84,40 @@ def test_an_idle_engine_holds_no_team_so_two_engines_in_one_process_do_not_throt
         assert len(_os_threads() - before) == 1, "the idle engine kept its OpenMP workers"  # its own thread only
     finally:
         engine.stop()
+
+
+def test_decode_attention_runs_on_the_callers_openmp_team():
+    """The native decode attention takes the calling thread's OpenMP team (kernels/csrc/sgmv_cpu.c: those
+    workers spin between torch's ops and join at once): on a thread with no team, the kernel builds the team
+    and torch's next parallel op reuses it, adding no thread. Only one OpenMP runtime is loaded: the kernel
+    library's libgomp is the copy torch brought, or each thread would hold two teams."""
+    import threading
+
+    from kernels import cpu_native, paged_decode_attention
+
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler: the kernels fall back to torch")
+    runtimes = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line.rsplit("/", 1)[-1]}
+    assert len(runtimes) == 1, runtimes
+    B, kv, g, hd, bs = 64, 2, 2, 32, 16
+    pages = torch.randn(B * 4, 2 * kv, bs * hd)
+    blocks = torch.arange(B * 4, dtype=torch.int64).view(B, 4)
+    lens = torch.full((B,), 60, dtype=torch.int64)
+    q = torch.randn(B, kv * g, hd)
+    added: dict[str, set[int]] = {}
+
+    def on_a_fresh_thread() -> None:
+        release_thread_team()
+        before = _os_threads()
+        assert paged_decode_attention(q, pages, blocks, lens, kv_heads=kv, window=None, scale=0.2,
+                                      threads=torch.get_num_threads()) is not None
+        after_kernel = _os_threads()
+        _parallel_op()
+        added["kernel"], added["torch"] = after_kernel - before, _os_threads() - after_kernel
+        release_thread_team()
+
+    t = threading.Thread(target=on_a_fresh_thread)
+    t.start()
+    t.join(timeout=60)
+    assert len(added["kernel"]) == torch.get_num_threads() - 1, added  # the team's workers
+    assert added["torch"] == set(), added  # torch's op ran on that same team
