@@ -30,8 +30,8 @@ flood's charged-but-unprefilled prompts (fixed in the engine: 16 ms against FIFO
 client-side p95 was lower with VTC in 7 of those 8 only: the web and the handoff, which the flood slows
 through the shared CPUs whatever the order, swamp it in 15 s phases. Asserted only in `make faults`
 (LORAFLEET_FAULTS_FULL=1): the issue's bounds, client-side VTC p95 <= 1.5x solo p95 and tok/s VTC >=
-0.95x FIFO — missed on the shared 2-CPU machine (4.59x on a quiet host on 2026-12-01: web and handoff,
-not the engine).
+0.95x FIFO — missed on the shared 2-CPU machine (3.7-7.1x in seven quiet-host runs on 2026-12-01: S's web
+part alone, before its job exists, was 30-61 ms p95 under the flood against a solo total of 16-20 ms).
 The figures are printed, and recorded in bench/RESULTS.md ("Fairness").
 """
 from __future__ import annotations
