@@ -104,7 +104,7 @@ def plot_engine(text: str) -> Path | None:
             ax.text(len(mine) - 0.5, limit[workload], f"fp32 GEMM limit {limit[workload]:.0f}", color="grey",
                     ha="right", va="bottom", fontsize=8)
         ax.set_xticks(list(xs), systems)
-        ax.set(ylabel="generated tok/s (best of 3 alternating passes)", title=workload)
+        ax.set(ylabel="generated tok/s (best of the alternating passes)", title=workload)
         top = max([limit.get(workload, 0.0)] + [number(row[k]) for row in mine for k in ("base-only tok/s", "fleet tok/s")])
         ax.set_ylim(0, top * 1.3)
         ax.legend(fontsize=8, loc="upper left", ncol=2)
