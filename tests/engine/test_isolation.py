@@ -67,14 +67,19 @@ def test_a_tenants_bad_numbers_never_end_another_tenants_stream(tiny_llama):
     assert not any(r.error_code == "internal_error" for r in b_results)
 
 
+def _submit_flood(eng, *, max_tokens: int, tenant: str = "flooder") -> list:
+    """A flooding tenant's eight 400-token prompts."""
+    return [eng.submit(GenerationJob(f"f{i}", None, prompt_token_ids=[(i * 31 + k) % 500 + 1 for k in range(400)],
+                                     max_tokens=max_tokens, temperature=0.0, ignore_eos=True, tenant=tenant))
+            for i in range(8)]
+
+
 def _first_tokens_before_small(tiny_llama, fair: bool) -> int:
     """8 long prompts from a flooding tenant, then one small request from another: how many of the
     flood's requests produced their first token before the small one did."""
     runner = ModelRunner(tiny_llama, pool_pages=512, enable_lora=False)
     eng = Engine(runner, lambda k: b"", max_running=64, prefill_chunk=128)
-    flood = [eng.submit(GenerationJob(f"f{i}", None, prompt_token_ids=[(i * 31 + k) % 500 + 1 for k in range(400)],
-                                      max_tokens=4, temperature=0.0, ignore_eos=True,
-                                      tenant="flooder" if fair else "")) for i in range(8)]
+    flood = _submit_flood(eng, max_tokens=4, tenant="flooder" if fair else "")
     small = eng.submit(GenerationJob("s", None, prompt_token_ids=PROMPT, max_tokens=4, temperature=0.0,
                                      ignore_eos=True, tenant="small" if fair else ""))
     eng.start()  # everything is queued before the first step: the order is the scheduler's alone
@@ -101,9 +106,7 @@ def test_a_tenant_arriving_mid_flood_is_prefilled_before_the_floods_queued_promp
     it started level with the charges, it waited behind the whole queued flood, as under FIFO.)"""
     runner = ModelRunner(tiny_llama, pool_pages=512, enable_lora=False)
     eng = Engine(runner, lambda k: b"", max_running=64, prefill_chunk=128)
-    flood = [eng.submit(GenerationJob(f"f{i}", None, prompt_token_ids=[(i * 31 + k) % 500 + 1 for k in range(400)],
-                                      max_tokens=1, temperature=0.0, ignore_eos=True, tenant="flooder"))
-             for i in range(8)]
+    flood = _submit_flood(eng, max_tokens=1)
     eng.start()
     try:
         while eng.stats()["steps"] < 1:  # the flood is admitted and its prefill under way
@@ -138,14 +141,12 @@ def _recording(runner) -> list[list[tuple[int, tuple[int, ...]]]]:
 
 def test_a_newcomers_prompt_does_not_share_its_step_with_the_floods_prefill(tiny_llama):
     """On a CPU a step's time grows with its tokens: the small tenant's prompt is prefilled in a step that
-    carries the flood's decodes but none of its queued prompt chunks (the flood, thousands of tokens of
-    service ahead, gets its prefill again in the next step)."""
+    carries the flood's decodes but none of its queued prompt chunks (each longer than the small prompt's 8
+    tokens); the flood's prefill goes on in the next step."""
     runner = ModelRunner(tiny_llama, pool_pages=512, enable_lora=False)
     forwards = _recording(runner)
     eng = Engine(runner, lambda k: b"", max_running=64, prefill_chunk=128)
-    flood = [eng.submit(GenerationJob(f"f{i}", None, prompt_token_ids=[(i * 31 + k) % 500 + 1 for k in range(400)],
-                                      max_tokens=4, temperature=0.0, ignore_eos=True, tenant="flooder"))
-             for i in range(8)]
+    flood = _submit_flood(eng, max_tokens=4)
     eng.start()
     try:
         while eng.stats()["steps"] < 2:
