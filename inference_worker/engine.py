@@ -577,13 +577,13 @@ class Engine:
             if left > 0:
                 if budget <= 0:
                     continue
+                n = min(left, budget)
                 if lead is None:
                     lead = req.job.tenant
                 if req.job.tenant == lead:
-                    lead_tokens += min(left, budget)
-                elif min(left, budget) > lead_tokens:
+                    lead_tokens += n
+                elif n > lead_tokens:
                     continue
-                n = min(left, budget)
                 budget -= n
                 batch.append((req, None, SeqStep(block_table=req.seqs[0].blocks, start_pos=start,
                                                  token_ids=req.prompt_ids[start: start + n], slot=req.slot)))

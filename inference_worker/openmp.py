@@ -31,19 +31,23 @@ _pause = None  # the runtime's omp_pause_resource_all, once found
 _looked = False
 
 
+def loaded_runtimes() -> list[str]:
+    """The paths of the OpenMP runtimes mapped into this process (empty where /proc is not there)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps
+                           if any(name in line.rsplit("/", 1)[-1] for name in _RUNTIMES)})
+    except OSError:  # not Linux
+        return []
+
+
 def _find_pause():
     global _pause, _looked
     with _lock:
         if _looked:
             return _pause
         _looked = True
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = sorted({line.split()[-1] for line in maps
-                                if any(name in line.rsplit("/", 1)[-1] for name in _RUNTIMES)})
-        except OSError:  # not Linux
-            return None
-        for path in paths:
+        for path in loaded_runtimes():
             try:
                 fn = ctypes.CDLL(path).omp_pause_resource_all
             except (OSError, AttributeError):

@@ -345,8 +345,8 @@ def affinity_and_failover(fl) -> None:
     after = [o for o in outcomes if o["started"] > killed_at + HEARTBEAT_TTL_S + 1]
     rehomed = {o["model"] for o in after if o["model"] in owned}
     assert owned and rehomed, "the killed worker owned adapters that were asked for again after it died"
-    late = [(o, rows[o["request_id"]]["worker_id"]) for o in after
-            if rows[o["request_id"]]["worker_id"] not in {w.worker_id for w in others}]
+    other_ids = {w.worker_id for w in others}
+    late = [(o, rows[o["request_id"]]["worker_id"]) for o in after if rows[o["request_id"]]["worker_id"] not in other_ids]
     assert not late, (late[:3], victim.worker_id)
     attempts = Counter(rows[o["request_id"]]["attempts"] for o in outcomes)
     unstarted = sum(rows[r["request_id"]]["attempts"] == 1 for r in redelivered
