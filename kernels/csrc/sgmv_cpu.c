@@ -118,9 +118,10 @@ static void run_segment(const sgmv_args *p, int64_t g) {
 }
 
 /* ---- helper threads -------------------------------------------------------------------------------
- * Why not OpenMP: on a machine shared with other processes, an OpenMP region ends in a barrier that
- * waits for every team thread, including one the scheduler has not run yet (measured: tens of ms per
- * call under load). Here the calling thread never waits for a helper that has not started: it claims
+ * Where the library is built without OpenMP, the kernels' units run here (parallel_for_team below says why
+ * the team comes first). An OpenMP region ends in a barrier that waits for every team thread, including one
+ * the scheduler has not run yet on a machine shared with other processes (torch's own parallel ops pay the
+ * same); here the calling thread never waits for a helper that has not started: it claims
  * segments from a shared counter like the helpers do, and at the end waits only for segments a helper
  * has actually claimed. A helper that wakes late finds no work and sleeps again. After fork() the
  * child starts a fresh pool on its first parallel call. */
@@ -159,11 +160,20 @@ static void *helper_main(void *unused) {
     return NULL;
 }
 
+/* In a fork()ed child, the thread that forked (the child's first thread): its OpenMP team is the parent's,
+ * whose workers fork() did not copy. Threads the child starts later build teams of their own. */
+static int forked_child = 0;
+static pthread_t fork_thread;
+
 static void pool_after_fork_in_child(void);
-static void register_fork_handler(void) { pthread_atfork(NULL, NULL, pool_after_fork_in_child); }
+__attribute__((constructor)) static void register_fork_handler(void) {
+    pthread_atfork(NULL, NULL, pool_after_fork_in_child);
+}
 
 /* In a forked child the helpers do not exist and the lock may have been copied held: start afresh. */
 static void pool_after_fork_in_child(void) {
+    forked_child = 1;
+    fork_thread = pthread_self();
     pthread_mutex_init(&pool_mu, NULL);
     pthread_cond_init(&pool_cv, NULL);
     pool_job = NULL;
@@ -171,8 +181,6 @@ static void pool_after_fork_in_child(void) {
 }
 
 static void ensure_helpers(int wanted) {
-    static pthread_once_t registered = PTHREAD_ONCE_INIT;
-    pthread_once(&registered, register_fork_handler);
     pthread_mutex_lock(&pool_mu);
     while (pool_helpers < wanted) {
         pthread_t tid;
@@ -210,6 +218,28 @@ static void parallel_for(void (*run)(const void *, int64_t), const void *args, i
     while (atomic_load(&job.active) > 0) sched_yield();  /* only helpers mid-unit */
 }
 
+/* ---- the calling thread's OpenMP team -------------------------------------------------------------
+ * Both kernels run their units on the calling thread's OpenMP team when the library is built with OpenMP
+ * (kernels/cpu_native.py links the libgomp torch has loaded): the engine thread's team, whose workers torch's
+ * GEMMs and elementwise ops have just used and which spin between the step's parallel regions, so they take
+ * units at once. The helper threads above cannot run while that team spins on the same CPUs, so a kernel on
+ * the helpers ran on the calling thread alone (quiet 2-CPU host, SmolLM2's 64-sequence workload, the engine's
+ * own passes): decode attention took 14.0 ms a step on the helpers against 8.5 ms on the team; the fleet's
+ * 13,230 SGMV calls a pass took 3.0-3.4 s on the helpers, 3.5-3.8 s on one thread and 2.1-2.2 s on the team
+ * (SmolLM2 fleet 235-238 -> 245-255 tok/s, passes alternating in one process; mid's fleet within noise). Without OpenMP the helpers take the units, and on the thread that fork()ed a
+ * child, in that child: GNU libgomp keeps the parent's team there, whose threads fork() did not copy, and its
+ * next region hangs (torch's own parallel ops on that thread do the same). */
+static void parallel_for_team(void (*run)(const void *, int64_t), const void *args, int64_t G, int nthreads) {
+#ifdef _OPENMP
+    if (nthreads > 1 && G > 1 && !(forked_child && pthread_equal(pthread_self(), fork_thread))) {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t g = 0; g < G; g++) run(args, g);
+        return;
+    }
+#endif
+    parallel_for(run, args, G, nthreads);
+}
+
 static void run_segment_unit(const void *args, int64_t g) { run_segment((const sgmv_args *)args, g); }
 
 /* y: scratch [T, sy] fp32, sy >= every rank. w: the flat weight buffer; a_offs, b_offs: int64 [S] element
@@ -220,7 +250,7 @@ void sgmv_add_f32(int64_t G, const int32_t *starts, const int32_t *lens, const i
                   const int64_t *b_offs, float *out, int64_t so, const float *scales, float *y, int64_t sy,
                   int64_t d_in, int64_t d_out, int nthreads) {
     sgmv_args p = {starts, lens, slots, ranks, x, w, scales, a_offs, b_offs, out, y, sx, so, sy, d_in, d_out};
-    parallel_for(run_segment_unit, &p, G, nthreads);
+    parallel_for_team(run_segment_unit, &p, G, nthreads);
 }
 
 /* ---- decode attention over the paged KV cache --------------------------------------------------------
@@ -296,25 +326,6 @@ static void attn_unit(const void *args, int64_t unit) {
         #pragma omp simd
         for (int64_t c = 0; c < hd; c++) o[j * hd + c] = acc[j * hd + c] * inv;
     }
-}
-
-/* Decode attention's units run on the calling thread's OpenMP team when the library is built with OpenMP
- * (kernels/cpu_native.py links the libgomp torch has loaded): the engine thread's team, whose workers torch's
- * GEMMs and elementwise ops have just used and which spin between the step's parallel regions, so they take
- * units at once. The helper threads above could not run while that team spun on the same CPUs: on SmolLM2's
- * decode step (64 sequences, 30 layers, quiet 2-CPU host) the in-place attention took 14.0 ms a step on the
- * helpers against 8.5 ms on the team, the step 71.5 against 65.5 ms. The SGMV kernel keeps the helpers: its
- * ~200 calls a step on a fleet would each end in an OpenMP barrier, which waits for a team thread the scheduler
- * has not run on a shared machine. */
-static void parallel_for_team(void (*run)(const void *, int64_t), const void *args, int64_t G, int nthreads) {
-#ifdef _OPENMP
-    if (nthreads > 1 && G > 1) {
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-        for (int64_t g = 0; g < G; g++) run(args, g);
-        return;
-    }
-#endif
-    parallel_for(run, args, G, nthreads);
 }
 
 /* Returns 0, or -1 when the shapes are beyond the kernel's fixed bounds (the caller then gathers). */

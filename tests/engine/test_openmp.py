@@ -86,37 +86,70 @@ def test_an_idle_engine_holds_no_team_so_two_engines_in_one_process_do_not_throt
         engine.stop()
 
 
-def test_decode_attention_runs_on_the_callers_openmp_team():
-    """The native decode attention takes the calling thread's OpenMP team (kernels/csrc/sgmv_cpu.c: those
-    workers spin between torch's ops and join at once): on a thread with no team, the kernel builds the team
-    and torch's next parallel op reuses it, adding no thread. Only one OpenMP runtime is loaded: the kernel
-    library's libgomp is the copy torch brought, or each thread would hold two teams."""
-    import threading
+def _decode_attention() -> None:
+    from kernels import paged_decode_attention
 
-    from kernels import cpu_native, paged_decode_attention
-
-    if cpu_native.load() is None:
-        pytest.skip("no C compiler: the kernels fall back to torch")
-    assert len(loaded_runtimes()) == 1, loaded_runtimes()
     B, kv, g, hd, bs = 64, 2, 2, 32, 16
     pages = torch.randn(B * 4, 2 * kv, bs * hd)
     blocks = torch.arange(B * 4, dtype=torch.int64).view(B, 4)
     lens = torch.full((B,), 60, dtype=torch.int64)
     q = torch.randn(B, kv * g, hd)
+    assert paged_decode_attention(q, pages, blocks, lens, kv_heads=kv, window=None, scale=0.2,
+                                  threads=torch.get_num_threads()) is not None
+
+
+def _fleet_lora() -> None:
+    """One projection's LoRA for a decode batch of 64 tokens over 16 adapters (weights above
+    kernels.cpu.PARALLEL_BYTES, so the native kernel goes parallel), checked against the reference."""
+    from kernels import LoraMapping, add_lora
+    from kernels.cpu import PARALLEL_BYTES
+    from kernels.reference import add_lora_reference
+    from kernels.testing import random_pool
+
+    ranks, d_in, d_out = [16] * 16, 576, 1536
+    assert sum(ranks) * (d_in + d_out) * 4 >= PARALLEL_BYTES
+    pool = random_pool({"p": (d_in, d_out)}, {"p": ranks}, seed=5)
+    mapping = LoraMapping.build([t % len(ranks) for t in range(64)], len(ranks))
+    x = torch.randn(64, d_in)
+    scales = torch.full((len(ranks),), 0.5)
+    want = add_lora_reference(torch.zeros(64, d_out), x, pool.buffer, pool.tables["p"], mapping, scales)
+    got = add_lora(torch.zeros(64, d_out), x, pool.buffer, pool.tables["p"], mapping, scales, backend="cpu")
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [_decode_attention, _fleet_lora], ids=["decode attention", "SGMV"])
+def test_the_native_kernels_run_on_the_callers_openmp_team(kernel):
+    """The native decode attention and SGMV take the calling thread's OpenMP team (kernels/csrc/sgmv_cpu.c:
+    those workers spin between torch's ops and join at once, where helper threads of the kernel's own could
+    not run beside them): on a thread with no team, the kernel builds the team and torch's next parallel op
+    reuses it, adding no thread. Only one OpenMP runtime is loaded: the kernel library's libgomp is the copy
+    torch brought, or each thread would hold two teams."""
+    import threading
+
+    from kernels import cpu_native
+
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler: the kernels fall back to torch")
+    assert len(loaded_runtimes()) == 1, loaded_runtimes()
     added: dict[str, set[int]] = {}
 
+    failed: list[BaseException] = []
+
     def on_a_fresh_thread() -> None:
-        release_thread_team()
-        before = _os_threads()
-        assert paged_decode_attention(q, pages, blocks, lens, kv_heads=kv, window=None, scale=0.2,
-                                      threads=torch.get_num_threads()) is not None
-        after_kernel = _os_threads()
-        _parallel_op()
-        added["kernel"], added["torch"] = after_kernel - before, _os_threads() - after_kernel
-        release_thread_team()
+        try:
+            release_thread_team()
+            before = _os_threads()
+            kernel()
+            after_kernel = _os_threads()
+            _parallel_op()
+            added["kernel"], added["torch"] = after_kernel - before, _os_threads() - after_kernel
+            release_thread_team()
+        except BaseException as exc:  # noqa: BLE001  (reported on the test's thread below)
+            failed.append(exc)
 
     t = threading.Thread(target=on_a_fresh_thread)
     t.start()
     t.join(timeout=60)
+    assert not failed, failed
     assert len(added["kernel"]) == torch.get_num_threads() - 1, added  # the team's workers
     assert added["torch"] == set(), added  # torch's op ran on that same team
