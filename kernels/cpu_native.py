@@ -21,7 +21,7 @@ from pathlib import Path
 
 _SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.c"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
-# Decode attention runs on the caller's OpenMP team (csrc/sgmv_cpu.c says why). The library then needs
+# Decode attention and SGMV run on the caller's OpenMP team (csrc/sgmv_cpu.c says why). The library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (torch is imported first, in load()), so
 # both share one runtime and one team per thread; a compiler without OpenMP builds without it (helpers only).
 _OPENMP_FLAGS = ["-fopenmp"]

@@ -231,10 +231,11 @@ def test_the_native_cpu_kernel_builds_and_serves_decode_batches(monkeypatch):
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler on this machine")
 def test_the_native_kernel_agrees_when_it_splits_segments_across_threads(monkeypatch):
-    """Big batches run on helper threads; many back-to-back calls must neither race nor hang."""
+    """Big batches run on several threads (the caller's OpenMP team, or helper threads); many back-to-back calls
+    must neither race nor hang."""
     from kernels import cpu
 
-    monkeypatch.setattr(cpu, "PARALLEL_BYTES", 0)  # use the helpers even for these small shapes
+    monkeypatch.setattr(cpu, "PARALLEL_BYTES", 0)  # go parallel even for these small shapes
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     g = torch.Generator().manual_seed(3)
     ranks = (1, 20, 7, 16, 0, 9)
