@@ -229,9 +229,10 @@ static void parallel_for(void (*run)(const void *, int64_t), const void *args, i
  * the helpers ran on the calling thread alone (quiet 2-CPU host, SmolLM2's 64-sequence workload, the engine's
  * own passes): decode attention took 14.0 ms a step on the helpers against 8.5 ms on the team; the fleet's
  * 13,230 SGMV calls a pass took 3.0-3.4 s on the helpers, 3.5-3.8 s on one thread and 2.1-2.2 s on the team
- * (SmolLM2 fleet 235-238 -> 245-255 tok/s, passes alternating in one process; mid's fleet within noise). Without OpenMP the helpers take the units, and on the thread that fork()ed a
- * child, in that child: GNU libgomp keeps the parent's team there, whose threads fork() did not copy, and its
- * next region hangs (torch's own parallel ops on that thread do the same). */
+ * (SmolLM2 fleet 235-238 -> 245-255 tok/s, passes alternating in one process; mid's fleet within noise).
+ * Without OpenMP the helpers take the units, and on the thread that fork()ed a child, in that child: GNU
+ * libgomp keeps the parent's team there, whose threads fork() did not copy, and its next region hangs
+ * (torch's own parallel ops on that thread do the same). */
 static void parallel_for_team(void (*run)(const void *, int64_t), const void *args, int64_t G, int nthreads) {
 #ifdef _OPENMP
     if (nthreads > 1 && G > 1 && !(forked_child && pthread_equal(pthread_self(), fork_thread))) {

@@ -132,7 +132,6 @@ def test_the_native_kernels_run_on_the_callers_openmp_team(kernel):
         pytest.skip("no C compiler: the kernels fall back to torch")
     assert len(loaded_runtimes()) == 1, loaded_runtimes()
     added: dict[str, set[int]] = {}
-
     failed: list[BaseException] = []
 
     def on_a_fresh_thread() -> None:
