@@ -86,7 +86,8 @@ def test_an_idle_engine_holds_no_team_so_two_engines_in_one_process_do_not_throt
         engine.stop()
 
 
-def _decode_attention() -> None:
+def _decode_attention():
+    """Inputs for one layer's decode attention of 64 sequences; the call; its check."""
     from kernels import paged_decode_attention
 
     B, kv, g, hd, bs = 64, 2, 2, 32, 16
@@ -94,13 +95,20 @@ def _decode_attention() -> None:
     blocks = torch.arange(B * 4, dtype=torch.int64).view(B, 4)
     lens = torch.full((B,), 60, dtype=torch.int64)
     q = torch.randn(B, kv * g, hd)
-    assert paged_decode_attention(q, pages, blocks, lens, kv_heads=kv, window=None, scale=0.2,
-                                  threads=torch.get_num_threads()) is not None
+
+    def run():
+        return paged_decode_attention(q, pages, blocks, lens, kv_heads=kv, window=None, scale=0.2,
+                                      threads=torch.get_num_threads())
+
+    def check(got) -> None:
+        assert got is not None and got.shape == (B, kv * g * hd)
+
+    return run, check
 
 
-def _fleet_lora() -> None:
-    """One projection's LoRA for a decode batch of 64 tokens over 16 adapters (weights above
-    kernels.cpu.PARALLEL_BYTES, so the native kernel goes parallel), checked against the reference."""
+def _fleet_lora():
+    """Inputs for one projection's LoRA of a decode batch of 64 tokens over 16 adapters (weights above
+    kernels.cpu.PARALLEL_BYTES, so the native kernel goes parallel); the call; its check against the reference."""
     from kernels import LoraMapping, add_lora
     from kernels.cpu import PARALLEL_BYTES
     from kernels.reference import add_lora_reference
@@ -113,8 +121,15 @@ def _fleet_lora() -> None:
     x = torch.randn(64, d_in)
     scales = torch.full((len(ranks),), 0.5)
     want = add_lora_reference(torch.zeros(64, d_out), x, pool.buffer, pool.tables["p"], mapping, scales)
-    got = add_lora(torch.zeros(64, d_out), x, pool.buffer, pool.tables["p"], mapping, scales, backend="cpu")
-    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+    out = torch.zeros(64, d_out)
+
+    def run():
+        return add_lora(out, x, pool.buffer, pool.tables["p"], mapping, scales, backend="cpu")
+
+    def check(got) -> None:
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+
+    return run, check
 
 
 @pytest.mark.parametrize("kernel", [_decode_attention, _fleet_lora], ids=["decode attention", "SGMV"])
@@ -123,7 +138,8 @@ def test_the_native_kernels_run_on_the_callers_openmp_team(kernel):
     those workers spin between torch's ops and join at once, where helper threads of the kernel's own could
     not run beside them): on a thread with no team, the kernel builds the team and torch's next parallel op
     reuses it, adding no thread. Only one OpenMP runtime is loaded: the kernel library's libgomp is the copy
-    torch brought, or each thread would hold two teams."""
+    torch brought, or each thread would hold two teams. Inputs are made before, and results checked after, on
+    the test's thread: on the fresh thread the kernel is the first parallel work."""
     import threading
 
     from kernels import cpu_native
@@ -131,14 +147,16 @@ def test_the_native_kernels_run_on_the_callers_openmp_team(kernel):
     if cpu_native.load() is None:
         pytest.skip("no C compiler: the kernels fall back to torch")
     assert len(loaded_runtimes()) == 1, loaded_runtimes()
+    run, check = kernel()
     added: dict[str, set[int]] = {}
+    results: list = []
     failed: list[BaseException] = []
 
     def on_a_fresh_thread() -> None:
         try:
             release_thread_team()
             before = _os_threads()
-            kernel()
+            results.append(run())
             after_kernel = _os_threads()
             _parallel_op()
             added["kernel"], added["torch"] = after_kernel - before, _os_threads() - after_kernel
@@ -150,5 +168,6 @@ def test_the_native_kernels_run_on_the_callers_openmp_team(kernel):
     t.start()
     t.join(timeout=60)
     assert not failed, failed
+    check(results[0])
     assert len(added["kernel"]) == torch.get_num_threads() - 1, added  # the team's workers
     assert added["torch"] == set(), added  # torch's op ran on that same team
