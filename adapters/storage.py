@@ -7,16 +7,63 @@ can verify what it loaded against the key alone. Storage is django-storages' "ad
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 from typing import BinaryIO
 
 from django.core.files import File
-from django.core.files.storage import Storage, storages
+from django.core.files.storage import FileSystemStorage, Storage, storages
 
 READ_CHUNK_BYTES = 1024 * 1024
 
 
 class BlobStorageError(RuntimeError):
     """Storage refused or corrupted a blob; the upload must not be recorded."""
+
+
+class AtomicFileSystemStorage(FileSystemStorage):
+    """FileSystemStorage whose files appear whole or not at all, as S3 objects do.
+
+    Django's FileSystemStorage creates the file under its final name and then writes it, so a reader
+    (a concurrent upload of the same bytes, a worker) can find half a blob under a content key. Here
+    the bytes go to a hidden temporary file in the target folder, are flushed to disk, and are then
+    hard-linked to the name: link() fails if the name exists, so nothing is ever overwritten, and a
+    taken name gets a fresh one, as FileSystemStorage does. A crash leaves at most a ".partial-" file,
+    never a key.
+    """
+
+    def _save(self, name: str, content: File) -> str:
+        full_path = self.path(name)
+        directory = os.path.dirname(full_path)
+        os.makedirs(directory, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=directory, prefix=".partial-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                for chunk in content.chunks():
+                    fh.write(chunk)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(partial, self.file_permissions_mode if self.file_permissions_mode is not None else 0o644)
+            while True:
+                try:
+                    os.link(partial, full_path)
+                    break
+                except FileExistsError:
+                    name = self.get_available_name(name)
+                    full_path = self.path(name)
+        finally:
+            os.unlink(partial)
+        _fsync_directory(directory)
+        return os.path.relpath(full_path, self.location).replace("\\", "/")
+
+
+def _fsync_directory(directory: str) -> None:
+    """Makes a new name in `directory` survive a power cut."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def adapter_storage() -> Storage:

@@ -163,7 +163,7 @@ STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 LORAFLEET_STORAGE = env_str("LORAFLEET_STORAGE", "filesystem")
 if LORAFLEET_STORAGE == "filesystem":
     _adapter_storage = {
-        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "BACKEND": "adapters.storage.AtomicFileSystemStorage",  # files appear whole, as S3 objects do
         "OPTIONS": {"location": str(Path(env_str("LORAFLEET_STORAGE_DIR", str(VAR_DIR / "storage"))))},
     }
 elif LORAFLEET_STORAGE == "s3":

@@ -134,6 +134,6 @@ def adapter_storage_dir(settings, tmp_path) -> Path:
     folder = tmp_path / "storage"
     settings.STORAGES = {
         **settings.STORAGES,
-        "adapters": {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(folder)}},
+        "adapters": {"BACKEND": "adapters.storage.AtomicFileSystemStorage", "OPTIONS": {"location": str(folder)}},
     }
     return folder

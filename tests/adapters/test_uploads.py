@@ -244,7 +244,7 @@ def test_nan_weights_are_refused_naming_the_tensor(adapter, peft_adapters, uploa
 def test_a_storage_failure_half_way_leaves_no_row_and_no_partial_blob(
     adapter, peft_adapters, upload, blob_dir, monkeypatch
 ):
-    from django.core.files.storage import FileSystemStorage
+    from adapters.storage import AtomicFileSystemStorage
 
     def half_then_fail(self, name, content):
         path = Path(self.path(name))
@@ -253,7 +253,7 @@ def test_a_storage_failure_half_way_leaves_no_row_and_no_partial_blob(
         path.write_bytes(content.read(1000))  # a partial object, as an interrupted write leaves
         raise OSError("disk full")
 
-    monkeypatch.setattr(FileSystemStorage, "_save", half_then_fail)
+    monkeypatch.setattr(AtomicFileSystemStorage, "_save", half_then_fail)  # a backend that is not atomic
     with pytest.raises(BlobStorageError, match="disk full"):
         upload(adapter, peft_adapters.good)
     assert AdapterVersion.objects.count() == 0
@@ -291,6 +291,70 @@ def test_a_corrupt_unreferenced_blob_under_the_key_is_replaced(adapter, peft_ada
     leftover.write_bytes(b"half a file from a crashed upload")
     version = upload(adapter, peft_adapters.good)
     assert read_blob(version.storage_key) == (peft_adapters.good / "adapter_model.safetensors").read_bytes()
+
+
+class _PausingReader(io.BytesIO):
+    """A slow upload: after its first chunk is read, waits until `resume` is set."""
+
+    def __init__(self, data: bytes, first_chunk_read, resume):
+        super().__init__(data)
+        self.first_chunk_read, self.resume = first_chunk_read, resume
+
+    def read(self, size=-1):
+        chunk = super().read(size)
+        if self.tell() > 0 and not self.first_chunk_read.is_set():
+            self.first_chunk_read.set()
+            assert self.resume.wait(timeout=30)
+        return chunk
+
+
+def test_a_blob_being_written_is_invisible_to_a_concurrent_identical_upload(blob_dir):
+    """The first writer stalls half way; the second (same bytes) must neither see half a blob nor fail.
+
+    With Django's plain FileSystemStorage the second writer found the first's partial file under the
+    key, took it for a crashed upload's leftover, deleted it and failed the first upload (CI, stop 22).
+    """
+    import threading
+
+    from adapters.storage import put_blob
+
+    data = bytes(range(256)) * 4096 * 2  # 2 MiB: many chunks
+    sha = hashlib.sha256(data).hexdigest()
+    first_chunk_read, resume = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def slow_writer():
+        try:
+            results["slow"] = put_blob(sha, _PausingReader(data, first_chunk_read, resume))
+        except Exception as exc:  # reported by the assertions below
+            results["slow"] = exc
+
+    slow = threading.Thread(target=slow_writer)
+    slow.start()
+    assert first_chunk_read.wait(timeout=30)
+    try:
+        assert not (blob_dir / storage_key_for(sha)).exists()  # half written: not under its key
+        assert put_blob(sha, io.BytesIO(data)) == (storage_key_for(sha), True)
+    finally:
+        resume.set()
+        slow.join(timeout=30)
+    assert results["slow"] == (storage_key_for(sha), False)  # found the other's blob, reused it
+    assert read_blob(storage_key_for(sha)) == data
+    assert stored_files(blob_dir) == [storage_key_for(sha)]  # no temporary or renamed file left
+
+
+def test_the_filesystem_storage_never_overwrites_a_name(blob_dir):
+    from django.core.files.base import ContentFile
+
+    from adapters.storage import adapter_storage
+
+    storage = adapter_storage()
+    assert storage.save("adapters/x/a.bin", ContentFile(b"first")) == "adapters/x/a.bin"
+    other = storage.save("adapters/x/a.bin", ContentFile(b"second"))
+    assert other != "adapters/x/a.bin"
+    assert (blob_dir / "adapters/x/a.bin").read_bytes() == b"first"
+    assert (blob_dir / other).read_bytes() == b"second"
+    assert oct((blob_dir / other).stat().st_mode & 0o777) == oct(0o644)
 
 
 def test_a_deleted_adapter_refuses_uploads(adapter, peft_adapters, upload, blob_dir):

@@ -31,7 +31,7 @@ def storages(root: Path) -> dict:
     return {
         "default": {"BACKEND": "django.core.files.storage.FileSystemStorage",
                     "OPTIONS": {"location": str(root / "media")}},
-        "adapters": {"BACKEND": "django.core.files.storage.FileSystemStorage",
+        "adapters": {"BACKEND": "adapters.storage.AtomicFileSystemStorage",
                      "OPTIONS": {"location": str(root / "storage")}},
         "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
     }
