@@ -11,7 +11,10 @@ Order matters:
 5. Write the row in a short transaction under a row lock on the Adapter (numbers 1, 2, 3… with no gaps
    or duplicates even for concurrent uploads), and activate it when asked or when nothing is live yet.
 If step 5 fails, the blob written in step 4 is deleted unless another version references it; if step
-4 fails half-way, no row is ever written.
+4 fails half-way, no row is ever written. Blobs are shared by content, so a concurrent upload of the
+same bytes may reuse the blob that a failing upload is about to delete: the delete ("no row uses it")
+and step 5 ("it exists; reference it") take one per-blob lock, and step 5 stores the bytes again if
+they are gone.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import BinaryIO
 
 from django.conf import settings
 from django.core.files.uploadhandler import FileUploadHandler, StopUpload
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Max
 from django.http import QueryDict
 from django.utils.datastructures import MultiValueDict
@@ -172,11 +175,28 @@ def _store(sha256: str, content: BinaryIO) -> tuple[str, bool]:
         raise BlobStorageError(f"storing the adapter weights failed: {exc}") from exc
 
 
+def _lock_blob(key: str) -> None:
+    """Holds, until the transaction ends, the lock that serializes deleting a blob against referencing it.
+
+    A PostgreSQL transaction-level advisory lock keyed by the blob's key. The embedded SQLite default
+    takes none: it serves one node's uploads, and its writers already run one at a time.
+    """
+    if connection.vendor != "postgresql":
+        return
+    lock_id = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big", signed=True)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(%s)", [lock_id])
+
+
 def _record_version(adapter: Adapter, spec: AdapterSpec, *, sha256: str, key: str, size: int,
-                    created_by, activate: bool | None) -> AdapterVersion:
+                    created_by, activate: bool | None, content: BinaryIO) -> AdapterVersion:
     with transaction.atomic():
         locked = Adapter.objects.select_for_update().get(pk=adapter.pk)
         _refuse_if_deleted(locked)
+        _lock_blob(key)
+        if not blob_exists(key):  # a failed upload of the same bytes deleted it after we found it
+            log.warning("blob %s vanished before its version was recorded; storing it again", key)
+            _store(sha256, content)
         last = locked.versions.aggregate(last=Max("number"))["last"] or 0
         version = AdapterVersion.objects.create(
             adapter=locked, number=last + 1, sha256=sha256, storage_key=key, size_bytes=size,
@@ -206,21 +226,24 @@ def create_adapter_version(adapter: Adapter, *, config_file, weights_file, creat
     with tempfile.TemporaryFile(dir=getattr(settings, "FILE_UPLOAD_TEMP_DIR", None)) as spool:
         sha256, size = spool_weights(weights_file, spool, max_bytes=settings.LORAFLEET_MAX_UPLOAD_BYTES)
         spec = validate_adapter(config, spool, size, base.shape_manifest, base.max_lora_rank)
-        key, created = _store(sha256, spool)
-    try:
-        return _record_version(adapter, spec, sha256=sha256, key=key, size=size, created_by=created_by,
-                               activate=activate)
-    except BaseException:
-        if created:
+        key, _created = _store(sha256, spool)
+        try:
+            return _record_version(adapter, spec, sha256=sha256, key=key, size=size, created_by=created_by,
+                                   activate=activate, content=spool)
+        except BaseException:
+            # Whoever wrote the blob, it is garbage unless a version uses it; a concurrent upload of the
+            # same bytes that has not recorded its version yet stores them again (see _record_version).
             _delete_if_unreferenced(key)
-        raise
+            raise
 
 
 def _delete_if_unreferenced(key: str) -> None:
-    """Remove a blob this upload wrote, unless a version (e.g. a concurrent identical upload) uses it."""
+    """Remove a blob this upload stored or reused, unless a version uses it."""
     try:
-        if not AdapterVersion.objects.filter(storage_key=key).exists():
-            delete_blob(key)
+        with transaction.atomic():
+            _lock_blob(key)
+            if not AdapterVersion.objects.filter(storage_key=key).exists():
+                delete_blob(key)
     except Exception:  # database or storage down: an unreferenced orphan is harmless, a lost row is not
         log.exception("could not delete blob %s after a failed upload", key)
 

@@ -418,6 +418,87 @@ def test_concurrent_uploads_get_distinct_consecutive_numbers(postgres, adapter, 
     assert len(stored_files(blob_dir)) == 2  # two distinct contents, each stored once
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("b_records", ["after A's clean-up", "while A cleans up"])
+def test_a_failed_upload_never_deletes_the_blob_a_concurrent_identical_upload_reused(
+    postgres, base, alice, peft_adapters, blob_dir, monkeypatch, b_records
+):
+    """A fails after storing; B (same bytes, another tenant) found A's blob and records its version either
+    after A's clean-up or between A's "no version uses it" and its delete.
+
+    A's clean-up must not leave B's version pointing at nothing: B's version has its weights.
+    """
+    import threading
+    import time
+
+    from django.db import connection
+
+    import adapters.uploads
+    from adapters.services import create_adapter
+    from tenants.services import create_tenant
+
+    writer_a = create_adapter(create_tenant("acme", "Acme", owner=alice), "writer", base)
+    writer_b = create_adapter(create_tenant("globex", "Globex", owner=alice), "writer", base)
+    a_stored, b_found_the_blob, a_is_done = threading.Event(), threading.Event(), threading.Event()
+    a_deleting = threading.Event()
+    put_blob, activate_version = adapters.uploads.put_blob, adapters.uploads.activate_version
+    delete_blob = adapters.uploads.delete_blob
+    b_go = a_is_done if b_records == "after A's clean-up" else a_deleting
+
+    def put_blob_then_let_a_fail(sha256, content):
+        result = put_blob(sha256, content)
+        if threading.current_thread().name == "A":
+            a_stored.set()
+        if threading.current_thread().name == "B" and not b_found_the_blob.is_set():
+            b_found_the_blob.set()
+            assert b_go.wait(timeout=30)
+        return result
+
+    def delete_after_b_recorded(key):
+        """A has found no version using the blob; give B up to 3 s to record one before deleting."""
+        a_deleting.set()
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and not AdapterVersion.objects.filter(storage_key=key).exists():
+            time.sleep(0.05)
+        delete_blob(key)
+
+    def activation_fails_for_a(*args, **kwargs):
+        if threading.current_thread().name == "A":
+            assert b_found_the_blob.wait(timeout=30)
+            raise RuntimeError("database went away")
+        return activate_version(*args, **kwargs)
+
+    monkeypatch.setattr(adapters.uploads, "put_blob", put_blob_then_let_a_fail)
+    monkeypatch.setattr(adapters.uploads, "activate_version", activation_fails_for_a)
+    monkeypatch.setattr(adapters.uploads, "delete_blob", delete_after_b_recorded)
+    outcome: dict[str, object] = {}
+
+    def upload(name: str, adapter) -> None:
+        try:
+            with open(peft_adapters.good / "adapter_config.json", "rb") as cfg, \
+                    open(peft_adapters.good / "adapter_model.safetensors", "rb") as weights:
+                outcome[name] = create_adapter_version(adapter, config_file=cfg, weights_file=weights)
+        except Exception as exc:
+            outcome[name] = exc
+        finally:
+            if name == "A":
+                a_is_done.set()
+            connection.close()
+
+    a = threading.Thread(target=upload, args=("A", writer_a), name="A")
+    a.start()
+    assert a_stored.wait(timeout=30)  # B starts once A's blob exists
+    b = threading.Thread(target=upload, args=("B", writer_b), name="B")
+    b.start()
+    a.join(timeout=60)
+    b.join(timeout=60)
+    assert isinstance(outcome["A"], RuntimeError)
+    version = outcome["B"]
+    assert isinstance(version, AdapterVersion)
+    assert read_blob(version.storage_key) == (peft_adapters.good / "adapter_model.safetensors").read_bytes()
+    assert stored_files(blob_dir) == [version.storage_key]
+
+
 class _CountingStream:
     """Wraps a request's body stream and records how much of it the server read."""
 
