@@ -261,12 +261,29 @@ void sgmv_add_f32(int64_t G, const int32_t *starts, const int32_t *lens, const i
  * One query token per sequence, read straight from the pool's pages: no gather of K/V into a contiguous
  * copy first (on CPU the gathers cost more than the attention itself). A layer's pages are
  * [P, 2 KV, bs, hd] fp32 (kv_cache.py: K heads then V heads, each page's head a contiguous bs x hd run).
- * One unit = one (sequence, KV head): its g query heads (GQA) share every K/V row read. Online softmax
- * block by block (a running max and sum per query head, rescaled once per block), so no score buffer
- * grows with the context. Positions attended: [max(0, len - window), len) with window <= 0 meaning all. */
+ * One unit = one sequence, all its KV heads (one page's K and V are then read as one contiguous run), or
+ * (sequence, KV head) when a sequence's accumulators would not fit; the g query heads of a KV head (GQA)
+ * share every K/V row read. Online softmax block by block (a running max and sum per query head, rescaled
+ * once per block), so no score buffer grows with the context. Positions attended: [max(0, len - window),
+ * len) with window <= 0 meaning all.
+ *
+ * Three things make it run near the speed of a plain read of the same pages (measured on this project's
+ * 2-CPU AMD EPYC, 64 sequences, every layer's pages from DRAM; SmolLM2 at context 105 / mid at 128, per
+ * decode step): 27.4 / 13.2 ms before, 14.3 / 5.8 ms after, against 12.8 / 5.0 ms for the read alone.
+ * - One unit per sequence rather than per (sequence, KV head): a page's K and V are read as one run.
+ * - While a block is computed, the sequence's next block is prefetched into L2 (prefetcht1: into L1 it
+ *   evicted the block being read and gained 10% instead of 40%). Without it the loads wait on DRAM and
+ *   compute and memory do not overlap at all.
+ * - For head_dim 64 and 128 the block's work runs on 16-float vectors (GCC vector extensions: one zmm on
+ *   AVX-512, two ymm on AVX2) with the query and accumulator vectors in registers: 16 rows' scores are
+ *   16 partial-sum vectors reduced together by one transpose-add (45 shuffles and adds for 16 dot
+ *   products, not a horizontal reduction each), and P·V adds into register accumulators instead of
+ *   loading and storing a memory row per key (1.25-1.45x over the scalar loops, both prefetching).
+ * Other head sizes take the scalar loops. */
 #define ATTN_MAX_G 64
+#define ATTN_MAX_H 256  /* query heads one unit attends */
 #define ATTN_MAX_BS 256  /* positions per block */
-#define ATTN_MAX_ACC 8192  /* g x hd accumulators per unit (32 KB on the stack) */
+#define ATTN_MAX_ACC 8192  /* query heads x hd accumulators per unit (32 KB on the stack) */
 
 typedef struct {
     const float *q;          /* [B, KV * g, hd], row stride sq */
@@ -276,56 +293,170 @@ typedef struct {
     float *out;              /* [B, KV * g * hd], row stride so */
     int64_t sq, so, page_stride, nb, kv, g, hd, bs, window;
     float scale;
+    int64_t heads_per_unit;  /* KV heads one unit attends: all of them when their accumulators fit */
 } attn_args;
+
+/* One query head's running state over the blocks: max m, sum l, accumulators acc[hd]. */
+typedef struct { float *m, *l, *acc; } attn_state;
+
+/* Online softmax of one head's scores s[0, n) against its state: s becomes exp(s - new max); returns the
+ * factor the old accumulators and sum are rescaled by (1 when the max did not move). */
+static inline float attn_softmax_block(float *s, int64_t n, float *m, float *l) {
+    float bm = *m;
+    for (int64_t i = 0; i < n; i++) bm = s[i] > bm ? s[i] : bm;
+    const float c = expf(*m - bm);
+    *m = bm;
+    float sum = 0.f;
+    #pragma omp simd reduction(+:sum)
+    for (int64_t i = 0; i < n; i++) { s[i] = expf(s[i] - bm); sum += s[i]; }
+    *l = *l * c + sum;
+    return c;
+}
+
+/* Rows lo..hi-1 of one block for g query heads q[g, hd] sharing the K/V head runs K, V [bs, hd]. */
+static void attn_block_scalar(const float *q, const float *K, const float *V, int64_t lo, int64_t hi, int64_t g,
+                              int64_t hd, float scale, float *m, float *l, float *acc, const float *Kn,
+                              const float *Vn) {
+    float s[ATTN_MAX_G * ATTN_MAX_BS] __attribute__((aligned(64)));  /* the block's scores, per query head */
+    const int64_t n = hi - lo;
+    for (int64_t i = lo; i < hi; i++) {  /* scores: each key row read once for the g query heads */
+        const float *k = K + i * hd;
+        if (Kn) for (int64_t c = 0; c < hd; c += 16) __builtin_prefetch(Kn + i * hd + c, 0, 2);
+        for (int64_t j = 0; j < g; j++) {
+            const float *qj = q + j * hd;
+            float d = 0.f;
+            #pragma omp simd reduction(+:d)
+            for (int64_t c = 0; c < hd; c++) d += qj[c] * k[c];
+            s[j * n + i - lo] = d * scale;
+        }
+    }
+    for (int64_t j = 0; j < g; j++) {
+        float *sj = s + j * n, *accj = acc + j * hd;
+        const float c = attn_softmax_block(sj, n, m + j, l + j);
+        if (c != 1.f) {
+            #pragma omp simd
+            for (int64_t c2 = 0; c2 < hd; c2++) accj[c2] *= c;
+        }
+        for (int64_t i = lo; i < hi; i++) {
+            const float pw = sj[i - lo], *v = V + i * hd;
+            if (Vn && j == 0) for (int64_t c = 0; c < hd; c += 16) __builtin_prefetch(Vn + i * hd + c, 0, 2);
+            #pragma omp simd
+            for (int64_t c2 = 0; c2 < hd; c2++) accj[c2] += pw * v[c2];
+        }
+    }
+}
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+static inline vf16 vload(const float *p) { vf16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
+
+/* v[0..15] -> one vector whose lane i is the sum of v[i]'s 16 lanes: four levels of pairwise
+ * shuffle-and-add, each halving the vectors and doubling the rows a vector carries. */
+static inline vf16 attn_sum16(vf16 *v) {
+    static const vi16 lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    static const vi16 hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    static const vi16 lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    static const vi16 hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    static const vi16 lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    static const vi16 hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    static const vi16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    static const vi16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    for (int k = 0; k < 8; k++) v[k] = __builtin_shuffle(v[2 * k], v[2 * k + 1], lo1) + __builtin_shuffle(v[2 * k], v[2 * k + 1], hi1);
+    for (int k = 0; k < 4; k++) v[k] = __builtin_shuffle(v[2 * k], v[2 * k + 1], lo2) + __builtin_shuffle(v[2 * k], v[2 * k + 1], hi2);
+    for (int k = 0; k < 2; k++) v[k] = __builtin_shuffle(v[2 * k], v[2 * k + 1], lo4) + __builtin_shuffle(v[2 * k], v[2 * k + 1], hi4);
+    return __builtin_shuffle(v[0], v[1], lo8) + __builtin_shuffle(v[0], v[1], hi8);
+}
+
+static const float attn_zero_row[128] __attribute__((aligned(64)));
+
+/* attn_block_scalar for hd = 16 * HDV and GH query heads (both compile-time: the loops unroll and the
+ * query and accumulator vectors live in registers). */
+#define ATTN_BLOCK_VEC(HDV, GH)                                                                               \
+static void attn_block_##HDV##_##GH(const float *q, const float *K, const float *V, int64_t lo, int64_t hi,   \
+                                    float scale, float *m, float *l, float *acc, const float *Kn,             \
+                                    const float *Vn) {                                                        \
+    const int64_t hd = 16 * HDV, n = hi - lo;                                                                \
+    float s[GH][ATTN_MAX_BS + 16] __attribute__((aligned(64)));                                              \
+    vf16 qv[GH][HDV];                                                                                         \
+    for (int j = 0; j < GH; j++)                                                                              \
+        for (int c = 0; c < HDV; c++) qv[j][c] = vload(q + j * hd + 16 * c);                                  \
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {                                                                  \
+        vf16 part[GH][16];                                                                                    \
+        for (int r = 0; r < 16; r++) {                                                                        \
+            const float *k = i0 + r < n ? K + (lo + i0 + r) * hd : attn_zero_row;                             \
+            vf16 kv[HDV];                                                                                     \
+            for (int c = 0; c < HDV; c++) kv[c] = vload(k + 16 * c);                                          \
+            if (Kn) for (int c = 0; c < HDV; c++) __builtin_prefetch(Kn + (lo + i0 + r) * hd + 16 * c, 0, 2);        \
+            for (int j = 0; j < GH; j++) {                                                                    \
+                vf16 d = qv[j][0] * kv[0];                                                                    \
+                for (int c = 1; c < HDV; c++) d += qv[j][c] * kv[c];                                          \
+                part[j][r] = d;                                                                               \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int j = 0; j < GH; j++) vstore(s[j] + i0, attn_sum16(part[j]) * scale);                          \
+    }                                                                                                         \
+    vf16 av[GH][HDV];                                                                                         \
+    for (int j = 0; j < GH; j++) {                                                                            \
+        const float c = attn_softmax_block(s[j], n, m + j, l + j);                                            \
+        for (int cc = 0; cc < HDV; cc++) av[j][cc] = vload(acc + j * hd + 16 * cc) * c;                       \
+    }                                                                                                         \
+    for (int64_t i = 0; i < n; i++) {                                                                         \
+        vf16 vv[HDV];                                                                                         \
+        for (int c = 0; c < HDV; c++) vv[c] = vload(V + (lo + i) * hd + 16 * c);                              \
+        if (Vn) for (int c = 0; c < HDV; c++) __builtin_prefetch(Vn + (lo + i) * hd + 16 * c, 0, 2);                  \
+        for (int j = 0; j < GH; j++)                                                                          \
+            for (int c = 0; c < HDV; c++) av[j][c] += s[j][i] * vv[c];                                        \
+    }                                                                                                         \
+    for (int j = 0; j < GH; j++)                                                                              \
+        for (int c = 0; c < HDV; c++) vstore(acc + j * hd + 16 * c, av[j][c]);                                \
+}
+ATTN_BLOCK_VEC(4, 1) ATTN_BLOCK_VEC(4, 2) ATTN_BLOCK_VEC(4, 3) ATTN_BLOCK_VEC(4, 4)
+ATTN_BLOCK_VEC(8, 1) ATTN_BLOCK_VEC(8, 2)
+
+/* One block of one KV head for its g query heads, on the vector path when hd is 64 or 128. */
+static void attn_block(const float *q, const float *K, const float *V, int64_t lo, int64_t hi, int64_t g,
+                       int64_t hd, float scale, float *m, float *l, float *acc, const float *Kn, const float *Vn) {
+    typedef void (*block_fn)(const float *, const float *, const float *, int64_t, int64_t, float, float *, float *,
+                             float *, const float *, const float *);
+    static const block_fn by_heads64[] = {attn_block_4_1, attn_block_4_2, attn_block_4_3, attn_block_4_4};
+    static const block_fn by_heads128[] = {attn_block_8_1, attn_block_8_2};
+    const block_fn *fns = hd == 64 ? by_heads64 : hd == 128 ? by_heads128 : NULL;
+    const int64_t most = hd == 64 ? 4 : 2;
+    if (fns == NULL) {
+        attn_block_scalar(q, K, V, lo, hi, g, hd, scale, m, l, acc, Kn, Vn);
+        return;
+    }
+    for (int64_t j = 0; j < g; j += most) {  /* query heads in register-sized groups; K/V rows stay in L1 */
+        const int64_t gh = g - j < most ? g - j : most;
+        fns[gh - 1](q + j * hd, K, V, lo, hi, scale, m + j, l + j, acc + j * hd, j ? NULL : Kn, j ? NULL : Vn);
+    }
+}
 
 static void attn_unit(const void *args, int64_t unit) {
     const attn_args *a = (const attn_args *)args;
-    const int64_t b = unit / a->kv, h = unit % a->kv, g = a->g, hd = a->hd, bs = a->bs;
+    const int64_t per = a->heads_per_unit, units_per_seq = a->kv / per;
+    const int64_t b = unit / units_per_seq, h0 = (unit % units_per_seq) * per, g = a->g, hd = a->hd, bs = a->bs;
     const int64_t len = a->lens[b];
     const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
-    const float *q = a->q + b * a->sq + h * g * hd;
-    float m[ATTN_MAX_G], l[ATTN_MAX_G];
-    float s[ATTN_MAX_G * ATTN_MAX_BS] __attribute__((aligned(64)));  /* one block's scores, per query head */
+    float m[ATTN_MAX_H], l[ATTN_MAX_H];
     float acc[ATTN_MAX_ACC] __attribute__((aligned(64)));
-    for (int64_t j = 0; j < g; j++) { m[j] = -3.0e38f; l[j] = 0.f; }
-    memset(acc, 0, (size_t)(g * hd) * sizeof(float));
+    for (int64_t j = 0; j < per * g; j++) { m[j] = -3.0e38f; l[j] = 0.f; }
+    memset(acc, 0, (size_t)(per * g * hd) * sizeof(float));
     for (int64_t t0 = start - start % bs; t0 < len; t0 += bs) {
         const float *page = a->pages + a->blocks[b * a->nb + t0 / bs] * a->page_stride;
-        const float *K = page + h * bs * hd, *V = page + (a->kv + h) * bs * hd;
+        const float *next = t0 + bs < len ? a->pages + a->blocks[b * a->nb + t0 / bs + 1] * a->page_stride : NULL;
         const int64_t lo = (start > t0 ? start : t0) - t0, hi = min64(len, t0 + bs) - t0;
-        for (int64_t i = lo; i < hi; i++) {  /* scores: each key row read once for the g query heads */
-            const float *k = K + i * hd;
-            for (int64_t j = 0; j < g; j++) {
-                const float *qj = q + j * hd;
-                float d = 0.f;
-                #pragma omp simd reduction(+:d)
-                for (int64_t c = 0; c < hd; c++) d += qj[c] * k[c];
-                s[j * bs + i] = d * a->scale;
-            }
-        }
-        for (int64_t j = 0; j < g; j++) {  /* online softmax, one rescale per block */
-            float *sj = s + j * bs, *accj = acc + j * hd;
-            float bm = m[j];
-            for (int64_t i = lo; i < hi; i++) bm = sj[i] > bm ? sj[i] : bm;
-            const float c = expf(m[j] - bm);
-            m[j] = bm;
-            float sum = 0.f;
-            #pragma omp simd reduction(+:sum)
-            for (int64_t i = lo; i < hi; i++) { sj[i] = expf(sj[i] - bm); sum += sj[i]; }
-            l[j] = l[j] * c + sum;
-            if (c != 1.f) {
-                #pragma omp simd
-                for (int64_t c2 = 0; c2 < hd; c2++) accj[c2] *= c;
-            }
-            for (int64_t i = lo; i < hi; i++) {
-                const float pw = sj[i], *v = V + i * hd;
-                #pragma omp simd
-                for (int64_t c2 = 0; c2 < hd; c2++) accj[c2] += pw * v[c2];
-            }
+        for (int64_t h = h0; h < h0 + per; h++) {
+            const int64_t j0 = (h - h0) * g;
+            attn_block(a->q + b * a->sq + h * g * hd, page + h * bs * hd, page + (a->kv + h) * bs * hd, lo, hi, g,
+                       hd, a->scale, m + j0, l + j0, acc + j0 * hd, next ? next + h * bs * hd : NULL,
+                       next ? next + (a->kv + h) * bs * hd : NULL);
         }
     }
-    float *o = a->out + b * a->so + h * g * hd;
-    for (int64_t j = 0; j < g; j++) {
+    float *o = a->out + b * a->so + h0 * g * hd;
+    for (int64_t j = 0; j < per * g; j++) {
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
         #pragma omp simd
         for (int64_t c = 0; c < hd; c++) o[j * hd + c] = acc[j * hd + c] * inv;
@@ -338,7 +469,8 @@ int paged_decode_attention_f32(int64_t B, const float *q, int64_t sq, const floa
                                int64_t kv, int64_t g, int64_t hd, int64_t bs, int64_t window, float scale,
                                int nthreads) {
     if (g < 1 || g > ATTN_MAX_G || hd < 1 || g * hd > ATTN_MAX_ACC || bs < 1 || bs > ATTN_MAX_BS) return -1;
-    attn_args a = {q, pages, blocks, lens, out, sq, so, page_stride, nb, kv, g, hd, bs, window, scale};
-    parallel_for_team(attn_unit, &a, B * kv, nthreads);
+    const int64_t per = kv * g * hd <= ATTN_MAX_ACC && kv * g <= ATTN_MAX_H ? kv : 1;
+    attn_args a = {q, pages, blocks, lens, out, sq, so, page_stride, nb, kv, g, hd, bs, window, scale, per};
+    parallel_for_team(attn_unit, &a, B * (kv / per), nthreads);
     return 0;
 }

@@ -28,8 +28,13 @@ def _reference(q, pages, blocks, lens, kv_heads, window, scale):
     return out
 
 
-@pytest.mark.parametrize("kv_heads,g,hd,bs,window", [(4, 1, 32, 16, None), (2, 3, 64, 16, None),
-                                                     (3, 3, 64, 16, 40), (1, 8, 16, 8, 5), (2, 4, 128, 32, None)])
+# head_dim 64 and 128 run on the vector path (query heads in register groups of at most 4 and 2, rows in
+# groups of 16: blocks of 8 and 64 positions too), other head sizes on the scalar loops; 16 KV heads of 5 x 128
+# do not fit one unit's accumulators and take one unit per (sequence, KV head).
+@pytest.mark.parametrize("kv_heads,g,hd,bs,window", [
+    (4, 1, 32, 16, None), (2, 3, 64, 16, None), (3, 3, 64, 16, 40), (1, 8, 16, 8, 5), (2, 4, 128, 32, None),
+    (2, 7, 64, 16, 21), (1, 1, 64, 8, None), (2, 4, 64, 64, 70), (1, 5, 128, 16, None), (16, 5, 128, 16, 33),
+])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_it_equals_softmax_attention_over_the_gathered_cache(kv_heads, g, hd, bs, window, threads):
     assert cpu_native.load() is not None, "the native CPU kernels did not build (is gcc installed?)"
@@ -39,6 +44,14 @@ def test_it_equals_softmax_attention_over_the_gathered_cache(kv_heads, g, hd, bs
     nb = -(-int(lens.max()) // bs)
     blocks = torch.randperm(P, generator=gen)[:B * nb].view(B, nb).contiguous()  # pages in any order
     pages = torch.randn(P, 2 * kv_heads, bs * hd, generator=gen) * 2
+    # Rows a sequence must not attend (past its length, before its window) hold NaN: a kernel that read one
+    # into a score or an accumulator would answer NaN.
+    rows = pages.view(P, 2 * kv_heads, bs, hd)
+    for b in range(B):
+        n = int(lens[b])
+        start = max(0, n - window) if window else 0
+        for pos in [*range(start), *range(n, nb * bs)]:
+            rows[blocks[b, pos // bs], :, pos % bs] = float("nan")
     q = torch.randn(B, kv_heads * g, hd, generator=gen) * 2
     scale = 1 / math.sqrt(hd)
     got = paged_decode_attention(q, pages, blocks, lens, kv_heads=kv_heads, window=window, scale=scale,
