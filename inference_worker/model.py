@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import paged_decode_attention
+from kernels import rms_norm as native_rms_norm
 from protocol.lora_layout import ModelShape
 from protocol.memory import PoolSplit, page_elements, split_budget, workspace_bytes
 
@@ -142,7 +143,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back, like transformers' LlamaRMSNorm."""
+    """RMSNorm computed in fp32 and cast back, like transformers' LlamaRMSNorm. On CPU in fp32 one native pass
+    (kernels.rms_norm) instead of six torch ops."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        y = native_rms_norm(x, weight, eps, threads=torch.get_num_threads())
+        if y is not None:
+            return y
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

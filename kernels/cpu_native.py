@@ -48,6 +48,12 @@ _ATTN_ARGTYPES = (
     _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int,  # kv heads, g, head dim, block size, window, scale, threads
 )
 
+_RMS_ARGTYPES = (
+    _i64, _i64, _p, _i64,  # rows T, width d, x, x row stride
+    _p, _p, _i64,  # weight [d], out, out row stride
+    ctypes.c_float, ctypes.c_int,  # eps, threads
+)
+
 
 def _cache_dir() -> Path:
     default = Path(__file__).resolve().parent.parent / "var" / "kernels"
@@ -112,6 +118,8 @@ def load() -> ctypes.CDLL | None:
         lib.sgmv_add_f32.restype = None
         lib.paged_decode_attention_f32.argtypes = _ATTN_ARGTYPES
         lib.paged_decode_attention_f32.restype = ctypes.c_int
+        lib.rms_norm_f32.argtypes = _RMS_ARGTYPES
+        lib.rms_norm_f32.restype = None
         _lib = lib
     return _lib
 
@@ -137,3 +145,20 @@ def paged_decode_attention(q, pages, blocks, lens, *, kv_heads: int, window: int
         lens.data_ptr(), out.data_ptr(), out.stride(0), kv_heads, H // kv_heads, hd, bs, window or 0, scale,
         threads)
     return out if rc == 0 else None
+
+
+def rms_norm(x, weight, eps: float, *, threads: int):
+    """RMSNorm of fp32 rows x [T, d] (each row contiguous) by weight [d]: weight * (x * rsqrt(mean(x^2) + eps)),
+    transformers' LlamaRMSNorm in fp32, in one pass -> a new [T, d] tensor; None when the native library or
+    these tensors are not covered (the caller then uses torch ops)."""
+    import torch
+
+    lib = load()
+    if (lib is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or weight.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous()
+            or weight.shape != (x.shape[1],)):
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.rms_norm_f32(x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+                     out.stride(0), eps, threads)
+    return out

@@ -41,3 +41,17 @@ def test_decode_logits_are_the_same_read_in_place_or_gathered(base, window, requ
     runner.native_attention = False
     gathered = runner.forward(decode)  # the same step again: writes the same K/V, reads them by gathering
     torch.testing.assert_close(in_place, gathered, rtol=1e-4, atol=1e-4)
+
+
+def test_the_runners_layers_normalise_natively(tiny_llama):
+    import inference_worker.model as model
+
+    runner = ModelRunner(tiny_llama, pool_pages=16, enable_lora=False)
+    calls = []
+    real = model.native_rms_norm
+    model.native_rms_norm = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        runner.forward([SeqStep([0, 1], 0, [3, 5, 7])])
+    finally:
+        model.native_rms_norm = real
+    assert len(calls) == 2 * runner.config.num_layers + 1  # two per layer and the final norm
