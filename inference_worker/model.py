@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_decode_attention
+from kernels import paged_decode_attention, rope_kv_write
 from kernels import rms_norm as native_rms_norm
 from protocol.lora_layout import ModelShape
 from protocol.memory import PoolSplit, page_elements, split_budget, workspace_bytes
@@ -298,12 +298,17 @@ class Block:
             lora.add(qkv[:, :q_end], h, layer, "q_proj")
             lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
             lora.add(qkv[:, k_end:], h, layer, "v_proj")
-        # q and k rotated in one go: [T, H + KV, hd]
-        qk = apply_rope(qkv[:, :k_end].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        # q and k rotated in one go: [T, H + KV, hd]; the rotated keys and the values stored in the KV cache
+        kv = self.runner.kv
+        qk = None
+        if self.runner.native_attention:  # CPU fp32: one native pass for both
+            qk = rope_kv_write(qkv, ctx.cos, ctx.sin, kv.pages(layer), ctx.write_rows, heads=cfg.num_heads,
+                               kv_heads=cfg.num_kv_heads, block_size=kv.block_size, threads=torch.get_num_threads())
+        if qk is None:
+            qk = apply_rope(qkv[:, :k_end].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+            kv.write(layer, ctx.write_rows, qk[:, cfg.num_heads:], qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim))
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]  # [T, H, hd], [T, KV, hd]
         v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, hd]
-        kv = self.runner.kv
-        kv.write(layer, ctx.write_rows, k, v)
         y = self.attend(q, k, v, ctx)  # [T, q_dim]
         # Residual adds fused into the GEMMs (x + y @ W_o^T): no [T, hidden] temporary and no separate add pass.
         # x is this forward's own activation (never a weight).

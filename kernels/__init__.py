@@ -4,12 +4,13 @@ reading each adapter's weights where the memory pool put them.
 Public surface: `LoraMapping.build` (token -> slot, once per step), `LoraTable.build` (where each slot's
 A and B of one projection lie in a flat weight buffer, once per adapter load/evict), `add_lora`,
 `lora_shrink`, `lora_expand`; and `paged_decode_attention` (CPU, fp32: decode attention read straight from
-the paged KV cache) and `rms_norm` (CPU, fp32, one pass). Imports nothing of the project. (Hugging Face
-publishes an unrelated PyPI package also named `kernels`; never install it here.)
+the paged KV cache), `rms_norm` and `rope_kv_write` (CPU, fp32, one pass each). Imports nothing of the
+project. (Hugging Face publishes an unrelated PyPI package also named `kernels`; never install it here.)
 """
-from .cpu_native import paged_decode_attention, rms_norm
+from .cpu_native import paged_decode_attention, rms_norm, rope_kv_write
 from .dispatch import add_lora, lora_expand, lora_shrink
 from .mapping import LoraMapping
 from .table import LoraTable
 
-__all__ = ["LoraMapping", "LoraTable", "add_lora", "lora_expand", "lora_shrink", "paged_decode_attention", "rms_norm"]
+__all__ = ["LoraMapping", "LoraTable", "add_lora", "lora_expand", "lora_shrink", "paged_decode_attention", "rms_norm",
+           "rope_kv_write"]

@@ -54,6 +54,14 @@ _RMS_ARGTYPES = (
     ctypes.c_float, ctypes.c_int,  # eps, threads
 )
 
+_ROPE_ARGTYPES = (
+    _i64, _p, _i64,  # tokens T, qkv, qkv row stride
+    _i64, _i64, _i64,  # query heads, KV heads, head dim
+    _p, _p, _i64,  # cos, signed sin [T, hd], their row stride
+    _p, _p, _i64, _i64,  # qk out [T, H + KV, hd], the layer's pages, page stride, pages
+    _p, _i64, ctypes.c_int,  # flat KV rows int64 [T], block size, threads
+)
+
 
 def _cache_dir() -> Path:
     default = Path(__file__).resolve().parent.parent / "var" / "kernels"
@@ -120,6 +128,8 @@ def load() -> ctypes.CDLL | None:
         lib.paged_decode_attention_f32.restype = ctypes.c_int
         lib.rms_norm_f32.argtypes = _RMS_ARGTYPES
         lib.rms_norm_f32.restype = None
+        lib.rope_kv_write_f32.argtypes = _ROPE_ARGTYPES
+        lib.rope_kv_write_f32.restype = ctypes.c_int
         _lib = lib
     return _lib
 
@@ -162,3 +172,32 @@ def rms_norm(x, weight, eps: float, *, threads: int):
     lib.rms_norm_f32(x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
                      out.stride(0), eps, threads)
     return out
+
+
+def rope_kv_write(qkv, cos, sin_signed, pages, rows, *, heads: int, kv_heads: int, block_size: int, threads: int):
+    """RoPE of each token's query and key heads and the KV write, in one pass: qkv fp32 [T, >= (heads + 2 kv_heads)
+    * hd] (rows contiguous: q, k, v heads first), cos and sin_signed [T, hd] (or [T, 1, hd]), pages the layer's
+    [P, 2 kv_heads, block_size * hd], rows int64 [T] flat KV rows (page * block_size + offset) -> the rotated
+    q and k heads [T, heads + kv_heads, hd], the rotated keys and the values also stored in the pages; None
+    when the native library or these tensors are not covered (the caller then uses torch ops). A row outside
+    the pages raises IndexError and writes nothing."""
+    import torch
+
+    lib = load()
+    T = qkv.shape[0]
+    cos, sin_signed = cos.reshape(T, -1), sin_signed.reshape(T, -1)
+    hd = cos.shape[1]
+    if (lib is None or hd % 2 or any(t.dtype != torch.float32 or t.device.type != "cpu"
+                                     for t in (qkv, cos, sin_signed, pages))
+            or rows.dtype != torch.int64 or qkv.dim() != 2 or qkv.stride(1) != 1 or cos.stride(1) != 1
+            or sin_signed.stride() != cos.stride() or qkv.shape[1] < (heads + 2 * kv_heads) * hd
+            or not pages.is_contiguous() or pages.shape[1:] != (2 * kv_heads, block_size * hd)):
+        return None
+    rows = rows.contiguous()
+    qk = torch.empty(T, heads + kv_heads, hd, dtype=qkv.dtype)
+    rc = lib.rope_kv_write_f32(T, qkv.data_ptr(), qkv.stride(0), heads, kv_heads, hd, cos.data_ptr(),
+                               sin_signed.data_ptr(), cos.stride(0), qk.data_ptr(), pages.data_ptr(), pages.stride(0),
+                               pages.shape[0], rows.data_ptr(), block_size, threads)
+    if rc != 0:
+        raise IndexError(f"a KV row is outside the layer's {pages.shape[0]} pages of {block_size} positions")
+    return qk

@@ -55,3 +55,23 @@ def test_the_runners_layers_normalise_natively(tiny_llama):
     finally:
         model.native_rms_norm = real
     assert len(calls) == 2 * runner.config.num_layers + 1  # two per layer and the final norm
+
+
+def test_the_runners_layers_rotate_and_store_keys_natively(tiny_llama):
+    """The native pass (kernels.rope_kv_write) stores what the torch path stores: the same prompt's next-token
+    logits with the kernel on and off."""
+    import inference_worker.model as model
+
+    calls = []
+    real = model.rope_kv_write
+    results = []
+    for native in (True, False):
+        runner = ModelRunner(tiny_llama, pool_pages=16, enable_lora=False)
+        model.rope_kv_write = (lambda *a, **k: calls.append(1) or real(*a, **k)) if native else (lambda *a, **k: None)
+        try:
+            runner.forward([SeqStep([0, 1], 0, [3, 5, 7, 9, 11])])
+            results.append(runner.forward([SeqStep([0, 1], 5, [13])]))  # attends to the stored keys and values
+        finally:
+            model.rope_kv_write = real
+    assert len(calls) == 2 * runner.config.num_layers  # every layer of both steps
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
