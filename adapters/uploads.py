@@ -226,7 +226,7 @@ def create_adapter_version(adapter: Adapter, *, config_file, weights_file, creat
     with tempfile.TemporaryFile(dir=getattr(settings, "FILE_UPLOAD_TEMP_DIR", None)) as spool:
         sha256, size = spool_weights(weights_file, spool, max_bytes=settings.LORAFLEET_MAX_UPLOAD_BYTES)
         spec = validate_adapter(config, spool, size, base.shape_manifest, base.max_lora_rank)
-        key, _created = _store(sha256, spool)
+        key, _ = _store(sha256, spool)
         try:
             return _record_version(adapter, spec, sha256=sha256, key=key, size=size, created_by=created_by,
                                    activate=activate, content=spool)

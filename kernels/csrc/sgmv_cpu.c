@@ -503,18 +503,19 @@ static void rms_unit(const void *args, int64_t unit) {
     }
 }
 
-#define RMS_TEAM_ELEMS (1 << 20)  /* below this many elements one thread is faster than waking a team */
+#define TEAM_MIN_ELEMS (1 << 20)  /* below this many elements one thread is faster than waking a team */
+
+/* Rows per unit of a row-wise kernel touching `elems` floats: all T rows in one unit (which parallel_for_team
+ * runs on the calling thread) below TEAM_MIN_ELEMS, else chunks of 16 rows over the team. */
+static int64_t row_chunk(int64_t T, int64_t elems, int nthreads) {
+    return elems >= TEAM_MIN_ELEMS && nthreads > 1 ? 16 : (T > 0 ? T : 1);
+}
 
 void rms_norm_f32(int64_t T, int64_t d, const float *x, int64_t sx, const float *w, float *out, int64_t so,
                   float eps, int nthreads) {
-    const int64_t rows_per_unit = T * d >= RMS_TEAM_ELEMS && nthreads > 1 ? 16 : T;
-    rms_args a = {x, w, out, sx, so, d, rows_per_unit > 0 ? rows_per_unit : 1, T, eps};
-    const int64_t units = T > 0 ? (T + a.rows_per_unit - 1) / a.rows_per_unit : 0;
-    if (units <= 1) {
-        if (units == 1) rms_unit(&a, 0);
-        return;
-    }
-    parallel_for_team(rms_unit, &a, units, nthreads);
+    const int64_t per = row_chunk(T, T * d, nthreads);
+    rms_args a = {x, w, out, sx, so, d, per, T, eps};
+    parallel_for_team(rms_unit, &a, (T + per - 1) / per, nthreads);
 }
 
 /* ---- RoPE and the KV write, in one pass -----------------------------------------------------------------
@@ -563,13 +564,8 @@ int rope_kv_write_f32(int64_t T, const float *qkv, int64_t sqkv, int64_t H, int6
                       int64_t num_pages, const int64_t *rows, int64_t bs, int nthreads) {
     for (int64_t t = 0; t < T; t++)
         if (rows[t] < 0 || rows[t] >= num_pages * bs) return -1;
-    const int64_t per = T * (H + 2 * KV) * hd >= RMS_TEAM_ELEMS && nthreads > 1 ? 16 : (T > 0 ? T : 1);
+    const int64_t per = row_chunk(T, T * (H + 2 * KV) * hd, nthreads);
     rope_args a = {qkv, cos, sin, qk, pages, rows, sqkv, scs, H, KV, hd, page_stride, bs, per, T};
-    const int64_t units = T > 0 ? (T + per - 1) / per : 0;
-    if (units <= 1) {
-        if (units == 1) rope_unit(&a, 0);
-        return 0;
-    }
-    parallel_for_team(rope_unit, &a, units, nthreads);
+    parallel_for_team(rope_unit, &a, (T + per - 1) / per, nthreads);
     return 0;
 }

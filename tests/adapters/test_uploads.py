@@ -421,7 +421,7 @@ def test_concurrent_uploads_get_distinct_consecutive_numbers(postgres, adapter, 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("b_records", ["after A's clean-up", "while A cleans up"])
 def test_a_failed_upload_never_deletes_the_blob_a_concurrent_identical_upload_reused(
-    postgres, base, alice, peft_adapters, blob_dir, monkeypatch, b_records
+    postgres, base, alice, peft_adapters, upload, blob_dir, monkeypatch, b_records
 ):
     """A fails after storing; B (same bytes, another tenant) found A's blob and records its version either
     after A's clean-up or between A's "no version uses it" and its delete.
@@ -473,11 +473,9 @@ def test_a_failed_upload_never_deletes_the_blob_a_concurrent_identical_upload_re
     monkeypatch.setattr(adapters.uploads, "delete_blob", delete_after_b_recorded)
     outcome: dict[str, object] = {}
 
-    def upload(name: str, adapter) -> None:
+    def run(name: str, adapter) -> None:
         try:
-            with open(peft_adapters.good / "adapter_config.json", "rb") as cfg, \
-                    open(peft_adapters.good / "adapter_model.safetensors", "rb") as weights:
-                outcome[name] = create_adapter_version(adapter, config_file=cfg, weights_file=weights)
+            outcome[name] = upload(adapter, peft_adapters.good)
         except Exception as exc:
             outcome[name] = exc
         finally:
@@ -485,10 +483,10 @@ def test_a_failed_upload_never_deletes_the_blob_a_concurrent_identical_upload_re
                 a_is_done.set()
             connection.close()
 
-    a = threading.Thread(target=upload, args=("A", writer_a), name="A")
+    a = threading.Thread(target=run, args=("A", writer_a), name="A")
     a.start()
     assert a_stored.wait(timeout=30)  # B starts once A's blob exists
-    b = threading.Thread(target=upload, args=("B", writer_b), name="B")
+    b = threading.Thread(target=run, args=("B", writer_b), name="B")
     b.start()
     a.join(timeout=60)
     b.join(timeout=60)
