@@ -14,10 +14,10 @@ Allocation:
   away from the KV end, so KV churn fragments adapter space as little as possible).
 Nothing here decides *who* gets pages: the engine (admission) and the adapter cache (residency) do.
 
-CPU memory comes from an anonymous mapping: zero-filled by the kernel and committed only where pages
-are touched, so a large `--memory-gb` costs what the workload uses. Pages are zero when first handed
-out; a page an adapter gave back holds finite weights, which is all the KV gather needs (padded rows it
-reads are masked, and must only never be NaN).
+CPU memory comes from a private anonymous mapping: zero-filled by the kernel and committed only where pages
+are touched, so a large `--memory-gb` costs what the workload uses (in 2 MB steps: see `_huge_pages`).
+Pages are zero when first handed out; a page an adapter gave back holds finite weights, which is all the KV
+gather needs (padded rows it reads are masked, and must only never be NaN).
 """
 from __future__ import annotations
 
@@ -26,6 +26,23 @@ import warnings
 
 import numpy as np
 import torch
+
+
+def _huge_pages(region: mmap.mmap) -> bool:
+    """Ask the kernel to back the pool with transparent huge pages (2 MB) where it is configured to on request
+    (`/sys/kernel/mm/transparent_hugepage/enabled` = madvise, the common default, or always).
+
+    Every decode step streams the resident adapters' weights and every sequence's KV pages once, far more than
+    the caches hold, so the pool is read at DRAM speed, and with 4 KB pages the read is bound by the TLB: on
+    this project's 2-CPU machine (a VM: each miss is a nested page walk) a plain read of 645 MB, SmolLM2's
+    fleet step, ran at 38.5 GB/s on 4 KB pages and 67.8 GB/s on 2 MB pages. The mapping must be private for
+    this: a shared anonymous mapping is shmem, whose huge pages are off by default (`shmem_enabled` = never).
+    Returns whether the advice was taken (False where the platform has no madvise or THP is off)."""
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError, ValueError):  # not Linux, or a kernel built without THP
+        return False
+    return True
 
 
 class OutOfPages(RuntimeError):
@@ -43,12 +60,14 @@ class PagePool:
         self.dtype, self.device = dtype, torch.device(device)
         numel = num_layers * num_pages * page_elems
         if self.device.type == "cpu":
-            self._map = mmap.mmap(-1, numel * dtype.itemsize)  # zero pages, committed on first touch
+            self._map = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.huge_pages = _huge_pages(self._map)  # before the first touch: pages are chosen on fault
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 flat = torch.frombuffer(self._map, dtype=dtype, count=numel)
         else:
             flat = torch.zeros(numel, dtype=dtype, device=self.device)
+            self.huge_pages = False
         self.data = flat.view(num_layers, num_pages, page_elems)  # [L, P, E]
         self._free = np.ones(num_pages, dtype=bool)
         self._refs = np.zeros(num_pages, dtype=np.int32)  # holders of each KV page (0 = not a KV page)

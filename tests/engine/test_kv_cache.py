@@ -1,4 +1,6 @@
 """The paged KV cache: block accounting, one pool shared by sequences of any length, and exhaustion."""
+import os
+
 import pytest
 import torch
 
@@ -109,3 +111,51 @@ def test_whole_block_gather_equals_the_row_gather_of_the_same_positions():
     k_r, v_r = kv.gather(0, rows)
     assert k_b.shape == (2, 2, 12, 3)
     assert torch.equal(k_b, k_r) and torch.equal(v_b, v_r)
+
+
+def _thp_mode() -> str | None:
+    """The kernel's transparent huge page mode ("always", "madvise", "never"), None where there is none."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address`, in kB."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the pool")
+
+
+@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="the kernel has transparent huge pages off")
+def test_the_cpu_pool_is_backed_by_huge_pages():
+    """Every decode step streams the resident adapters and the KV pages once, more than the caches hold: on 4 KB
+    pages that read is bound by the TLB (645 MB read at 38.5 GB/s against 67.8 on 2 MB pages, this project's
+    2-CPU VM). The pool asks for huge pages, which a shared anonymous mapping (shmem) would not get."""
+    pool = PagePool(num_layers=2, num_pages=256, page_elems=32 * 1024, dtype=torch.float32, device="cpu")  # 64 MB
+    assert pool.huge_pages
+    pool.data.fill_(1.0)  # every page touched: the kernel backs them now
+    assert _anon_huge_kb(pool.data.data_ptr()) >= 16 * 1024  # at least a quarter on 2 MB pages
+
+
+def test_a_forked_child_writing_the_pool_leaves_the_parents_pages_alone():
+    """The pool is a private mapping: a worker process forked after the pool exists (a prefork pool's child) gets
+    a copy on write, never a view of the parent's KV blocks and adapters."""
+    pool = PagePool(num_layers=1, num_pages=8, page_elems=1024, dtype=torch.float32, device="cpu")
+    pool.data.fill_(2.0)
+    pid = os.fork()
+    if pid == 0:  # the child: scribble on every page, then leave at once
+        pool.data.fill_(-1.0)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert bool((pool.data == 2.0).all())
