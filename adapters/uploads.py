@@ -158,14 +158,8 @@ def _store(sha256: str, content: BinaryIO) -> tuple[str, bool]:
     key = storage_key_for(sha256)
     try:
         return put_blob(sha256, content)
-    except BlobStorageError:
-        # A blob under our key with other content: left by a crash mid-write. If no version uses it,
-        # it is garbage and may be replaced; if one does, storage is corrupt and needs an operator.
-        if AdapterVersion.objects.filter(storage_key=key).exists():
-            raise
-        log.warning("replacing corrupt unreferenced blob %s", key)
-        delete_blob(key)
-        return put_blob(sha256, content)
+    except BlobStorageError as corrupt:
+        return _replace_corrupt(key, sha256, content, corrupt)
     except Exception as exc:
         try:
             if blob_exists(key) and blob_sha256(key) != sha256:
@@ -173,6 +167,30 @@ def _store(sha256: str, content: BinaryIO) -> tuple[str, bool]:
         except Exception:  # the storage is failing; the orphan (if any) is unreferenced garbage
             log.exception("could not clean up after a failed write of %s", key)
         raise BlobStorageError(f"storing the adapter weights failed: {exc}") from exc
+
+
+def _replace_corrupt(key: str, sha256: str, content: BinaryIO, corrupt: BlobStorageError) -> tuple[str, bool]:
+    """A blob under our key with other content: left by a crash mid-write. If no version uses it, it is garbage
+    and is replaced; if one does, storage is corrupt and needs an operator (`corrupt` is raised).
+
+    Under the blob's lock, as the recording of a version is: two uploads that both found the leftover replace
+    it one after the other, and the second finds the first's blob and reuses it, instead of deleting a blob
+    that the first may have recorded a version of by then."""
+    with transaction.atomic():
+        _lock_blob(key)
+        if AdapterVersion.objects.filter(storage_key=key).exists():
+            raise corrupt
+        try:
+            if blob_exists(key):
+                if blob_sha256(key) == sha256:
+                    return key, False  # a concurrent upload of the same bytes replaced it first
+                log.warning("replacing corrupt unreferenced blob %s", key)
+                delete_blob(key)
+            return put_blob(sha256, content)
+        except BlobStorageError:
+            raise
+        except Exception as exc:
+            raise BlobStorageError(f"storing the adapter weights failed: {exc}") from exc
 
 
 def _lock_blob(key: str) -> None:

@@ -497,6 +497,76 @@ def test_a_failed_upload_never_deletes_the_blob_a_concurrent_identical_upload_re
     assert stored_files(blob_dir) == [version.storage_key]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_two_uploads_replacing_one_corrupt_leftover_never_lose_the_blob_a_version_uses(
+    postgres, base, alice, peft_adapters, upload, blob_dir, monkeypatch
+):
+    """A crashed upload left half a blob under the key. A and B (same bytes, two tenants) both find it. A has
+    checked that no version uses it and is about to delete it when B replaces it and records a version; then
+    A's own write fails. B's version must still have its weights: the replacement is serialized with the
+    recording, so A cannot delete a blob that B's version uses."""
+    import threading
+    import time
+
+    from django.db import connection
+
+    import adapters.uploads
+    from adapters.services import create_adapter
+    from tenants.services import create_tenant
+
+    weights = (peft_adapters.good / "adapter_model.safetensors").read_bytes()
+    leftover = blob_dir / storage_key_for(hashlib.sha256(weights).hexdigest())
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"half a file from a crashed upload")
+    writer_a = create_adapter(create_tenant("acme", "Acme", owner=alice), "writer", base)
+    writer_b = create_adapter(create_tenant("globex", "Globex", owner=alice), "writer", base)
+    a_replacing = threading.Event()
+    put_blob, delete_blob = adapters.uploads.put_blob, adapters.uploads.delete_blob
+    puts = {"A": 0}
+
+    def a_deletes_once_b_has_recorded(key):
+        """A has found no version using the leftover; give B up to 3 s to record one before deleting."""
+        if threading.current_thread().name == "A":
+            a_replacing.set()
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and not AdapterVersion.objects.filter(storage_key=key).exists():
+                time.sleep(0.05)
+        delete_blob(key)
+
+    def a_second_write_fails(sha256, content):
+        if threading.current_thread().name == "A":
+            puts["A"] += 1
+            if puts["A"] == 2:  # the write that replaces the leftover
+                raise OSError(28, "No space left on device")
+        return put_blob(sha256, content)
+
+    monkeypatch.setattr(adapters.uploads, "delete_blob", a_deletes_once_b_has_recorded)
+    monkeypatch.setattr(adapters.uploads, "put_blob", a_second_write_fails)
+    outcome: dict[str, object] = {}
+
+    def run(name: str, adapter) -> None:
+        try:
+            outcome[name] = upload(adapter, peft_adapters.good)
+        except Exception as exc:
+            outcome[name] = exc
+        finally:
+            connection.close()
+
+    a = threading.Thread(target=run, args=("A", writer_a), name="A")
+    a.start()
+    assert a_replacing.wait(timeout=30)  # B starts while A is about to delete the leftover
+    b = threading.Thread(target=run, args=("B", writer_b), name="B")
+    b.start()
+    a.join(timeout=60)
+    b.join(timeout=60)
+    version = outcome["B"]
+    assert isinstance(version, AdapterVersion), version
+    assert read_blob(version.storage_key) == weights
+    assert stored_files(blob_dir) == [version.storage_key]
+    assert isinstance(outcome["A"], BlobStorageError), outcome["A"]  # A's failure is said, as a storage error
+    assert "No space left on device" in str(outcome["A"])
+
+
 class _CountingStream:
     """Wraps a request's body stream and records how much of it the server read."""
 
