@@ -418,6 +418,53 @@ def test_concurrent_uploads_get_distinct_consecutive_numbers(postgres, adapter, 
     assert len(stored_files(blob_dir)) == 2  # two distinct contents, each stored once
 
 
+def _writers_of_two_tenants(base, alice):
+    """An adapter named "writer" in each of two tenants: uploads of the same bytes share one blob."""
+    from adapters.services import create_adapter
+    from tenants.services import create_tenant
+
+    return (create_adapter(create_tenant("acme", "Acme", owner=alice), "writer", base),
+            create_adapter(create_tenant("globex", "Globex", owner=alice), "writer", base))
+
+
+def _wait_for_a_version_of(key: str, seconds: float = 3.0) -> None:
+    """Give a concurrent upload up to `seconds` to record a version of blob `key` (the interleaving forced)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not AdapterVersion.objects.filter(storage_key=key).exists():
+        time.sleep(0.05)
+
+
+def _upload_as_a_then_b(upload, writers, folder, b_may_start, a_is_done=None) -> dict[str, object]:
+    """Upload `folder` on thread "A" to writers[0] and, once `b_may_start` is set, on thread "B" to writers[1];
+    each one's AdapterVersion, or the exception it raised."""
+    import threading
+
+    from django.db import connection
+
+    outcome: dict[str, object] = {}
+
+    def run(name: str, adapter) -> None:
+        try:
+            outcome[name] = upload(adapter, folder)
+        except Exception as exc:
+            outcome[name] = exc
+        finally:
+            if name == "A" and a_is_done is not None:
+                a_is_done.set()
+            connection.close()
+
+    a = threading.Thread(target=run, args=("A", writers[0]), name="A")
+    a.start()
+    assert b_may_start.wait(timeout=30)
+    b = threading.Thread(target=run, args=("B", writers[1]), name="B")
+    b.start()
+    a.join(timeout=60)
+    b.join(timeout=60)
+    return outcome
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("b_records", ["after A's clean-up", "while A cleans up"])
 def test_a_failed_upload_never_deletes_the_blob_a_concurrent_identical_upload_reused(
@@ -429,16 +476,10 @@ def test_a_failed_upload_never_deletes_the_blob_a_concurrent_identical_upload_re
     A's clean-up must not leave B's version pointing at nothing: B's version has its weights.
     """
     import threading
-    import time
-
-    from django.db import connection
 
     import adapters.uploads
-    from adapters.services import create_adapter
-    from tenants.services import create_tenant
 
-    writer_a = create_adapter(create_tenant("acme", "Acme", owner=alice), "writer", base)
-    writer_b = create_adapter(create_tenant("globex", "Globex", owner=alice), "writer", base)
+    writers = _writers_of_two_tenants(base, alice)
     a_stored, b_found_the_blob, a_is_done = threading.Event(), threading.Event(), threading.Event()
     a_deleting = threading.Event()
     put_blob, activate_version = adapters.uploads.put_blob, adapters.uploads.activate_version
@@ -455,11 +496,9 @@ def test_a_failed_upload_never_deletes_the_blob_a_concurrent_identical_upload_re
         return result
 
     def delete_after_b_recorded(key):
-        """A has found no version using the blob; give B up to 3 s to record one before deleting."""
+        """A has found no version using the blob; give B time to record one before deleting."""
         a_deleting.set()
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and not AdapterVersion.objects.filter(storage_key=key).exists():
-            time.sleep(0.05)
+        _wait_for_a_version_of(key)
         delete_blob(key)
 
     def activation_fails_for_a(*args, **kwargs):
@@ -471,25 +510,7 @@ def test_a_failed_upload_never_deletes_the_blob_a_concurrent_identical_upload_re
     monkeypatch.setattr(adapters.uploads, "put_blob", put_blob_then_let_a_fail)
     monkeypatch.setattr(adapters.uploads, "activate_version", activation_fails_for_a)
     monkeypatch.setattr(adapters.uploads, "delete_blob", delete_after_b_recorded)
-    outcome: dict[str, object] = {}
-
-    def run(name: str, adapter) -> None:
-        try:
-            outcome[name] = upload(adapter, peft_adapters.good)
-        except Exception as exc:
-            outcome[name] = exc
-        finally:
-            if name == "A":
-                a_is_done.set()
-            connection.close()
-
-    a = threading.Thread(target=run, args=("A", writer_a), name="A")
-    a.start()
-    assert a_stored.wait(timeout=30)  # B starts once A's blob exists
-    b = threading.Thread(target=run, args=("B", writer_b), name="B")
-    b.start()
-    a.join(timeout=60)
-    b.join(timeout=60)
+    outcome = _upload_as_a_then_b(upload, writers, peft_adapters.good, a_stored, a_is_done)  # B once A's blob exists
     assert isinstance(outcome["A"], RuntimeError)
     version = outcome["B"]
     assert isinstance(version, AdapterVersion)
@@ -506,31 +527,23 @@ def test_two_uploads_replacing_one_corrupt_leftover_never_lose_the_blob_a_versio
     A's own write fails. B's version must still have its weights: the replacement is serialized with the
     recording, so A cannot delete a blob that B's version uses."""
     import threading
-    import time
-
-    from django.db import connection
 
     import adapters.uploads
-    from adapters.services import create_adapter
-    from tenants.services import create_tenant
 
     weights = (peft_adapters.good / "adapter_model.safetensors").read_bytes()
     leftover = blob_dir / storage_key_for(hashlib.sha256(weights).hexdigest())
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(b"half a file from a crashed upload")
-    writer_a = create_adapter(create_tenant("acme", "Acme", owner=alice), "writer", base)
-    writer_b = create_adapter(create_tenant("globex", "Globex", owner=alice), "writer", base)
+    writers = _writers_of_two_tenants(base, alice)
     a_replacing = threading.Event()
     put_blob, delete_blob = adapters.uploads.put_blob, adapters.uploads.delete_blob
     puts = {"A": 0}
 
     def a_deletes_once_b_has_recorded(key):
-        """A has found no version using the leftover; give B up to 3 s to record one before deleting."""
+        """A has found no version using the leftover; give B time to record one before deleting."""
         if threading.current_thread().name == "A":
             a_replacing.set()
-            deadline = time.monotonic() + 3
-            while time.monotonic() < deadline and not AdapterVersion.objects.filter(storage_key=key).exists():
-                time.sleep(0.05)
+            _wait_for_a_version_of(key)
         delete_blob(key)
 
     def a_second_write_fails(sha256, content):
@@ -542,23 +555,7 @@ def test_two_uploads_replacing_one_corrupt_leftover_never_lose_the_blob_a_versio
 
     monkeypatch.setattr(adapters.uploads, "delete_blob", a_deletes_once_b_has_recorded)
     monkeypatch.setattr(adapters.uploads, "put_blob", a_second_write_fails)
-    outcome: dict[str, object] = {}
-
-    def run(name: str, adapter) -> None:
-        try:
-            outcome[name] = upload(adapter, peft_adapters.good)
-        except Exception as exc:
-            outcome[name] = exc
-        finally:
-            connection.close()
-
-    a = threading.Thread(target=run, args=("A", writer_a), name="A")
-    a.start()
-    assert a_replacing.wait(timeout=30)  # B starts while A is about to delete the leftover
-    b = threading.Thread(target=run, args=("B", writer_b), name="B")
-    b.start()
-    a.join(timeout=60)
-    b.join(timeout=60)
+    outcome = _upload_as_a_then_b(upload, writers, peft_adapters.good, a_replacing)  # B while A is about to delete
     version = outcome["B"]
     assert isinstance(version, AdapterVersion), version
     assert read_blob(version.storage_key) == weights
