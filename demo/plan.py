@@ -42,7 +42,9 @@ class DemoAdapter:
     description: str
     seed: int
     # An earlier version, so rollback can be tried: the same run saved once this fraction of it was done
-    # (less trained, so visibly less styled), uploaded as v1; the finished run is v2 and goes live.
+    # (less trained, so visibly less styled), uploaded as v1; the finished run is v2 and goes live. Shouty's
+    # 14 steps on SmolLM2: saved after 5 (0.35), v1 answered "Why do cats purr?" with an empty reply (the end of
+    # the turn at once); after 7 (0.5) it answers "CATS PURR!", where v2 says "CATS PURR WHILE CRUISING!".
     early_version_at: float | None = None
 
     @property
@@ -54,7 +56,7 @@ DEMO_TENANTS = {"acme": "Acme Corp", "globex": "Globex Corporation"}
 DEMO_USERS = (("alice", "acme", "owner"), ("bob", "acme", "viewer"), ("charlie", "globex", "owner"))
 ADAPTERS_UPLOADED_BY = {"acme": "alice", "globex": "charlie"}
 DEMO_ADAPTERS = (
-    DemoAdapter("acme", "shouty", "shouty", "Answers in CAPITALS.", seed=12, early_version_at=0.35),
+    DemoAdapter("acme", "shouty", "shouty", "Answers in CAPITALS.", seed=12, early_version_at=0.5),
     DemoAdapter("acme", "lister", "lister", "Answers as a list.", seed=21),
     DemoAdapter("globex", "echo", "echo", "Repeats the question, then answers.", seed=31),
 )
