@@ -166,7 +166,11 @@ def _store(sha256: str, content: BinaryIO) -> tuple[str, bool]:
                 delete_blob(key)  # our partial write; a complete blob of the same bytes is left alone
         except Exception:  # the storage is failing; the orphan (if any) is unreferenced garbage
             log.exception("could not clean up after a failed write of %s", key)
-        raise BlobStorageError(f"storing the adapter weights failed: {exc}") from exc
+        raise _write_failed(exc) from exc
+
+
+def _write_failed(exc: Exception) -> BlobStorageError:
+    return BlobStorageError(f"storing the adapter weights failed: {exc}")
 
 
 def _replace_corrupt(key: str, sha256: str, content: BinaryIO, corrupt: BlobStorageError) -> tuple[str, bool]:
@@ -190,7 +194,7 @@ def _replace_corrupt(key: str, sha256: str, content: BinaryIO, corrupt: BlobStor
         except BlobStorageError:
             raise
         except Exception as exc:
-            raise BlobStorageError(f"storing the adapter weights failed: {exc}") from exc
+            raise _write_failed(exc) from exc
 
 
 def _lock_blob(key: str) -> None:
