@@ -273,7 +273,7 @@ class Lorafleet:
     """The engine on a LoRA-enabled runner whose pool holds the KV blocks of every request and every drawn adapter
     (adapters resident: the fleet's steady state), as bench/engine.py's EngineRun."""
 
-    def __init__(self, w: Workload, packed_weights: bool | None = None):
+    def __init__(self, w: Workload, packed_weights: bool | None = None, adapter_dtype=None):
         import hashlib
 
         from bench.engine import ALL_TARGETS
@@ -295,10 +295,13 @@ class Lorafleet:
                                       target_modules=list(ALL_TARGETS))
         block = 16
         kv_pages = sum(-(-(len(p) + w.new_tokens) // block) for p in w.prompts) + 64
-        probe = ModelRunner(w.base, pool_pages=1, max_lora_rank=w.max_rank, enable_lora=True)
+        kw = {} if packed_weights is None else {"packed_weights": packed_weights}  # the runner's default otherwise
+        if adapter_dtype is not None:
+            kw["adapter_dtype"] = adapter_dtype
+        probe = ModelRunner(w.base, pool_pages=1, max_lora_rank=w.max_rank, enable_lora=True,
+                            **{k: v for k, v in kw.items() if k == "adapter_dtype"})
         pages = kv_pages + sum(probe.lora.pages_for(w.ranks[a], ALL_TARGETS) for a in set(w.adapter_of))
         del probe
-        kw = {} if packed_weights is None else {"packed_weights": packed_weights}  # the runner's default otherwise
         runner = ModelRunner(w.base, pool_pages=pages, max_lora_rank=w.max_rank, enable_lora=True, **kw)
         self.engine = Engine(runner, blobs.__getitem__, max_running=len(w.prompts), prefill_chunk=512).start()
         for mode in ("fleet", "base"):  # loads the adapters, first-call costs
@@ -568,10 +571,27 @@ def packing_ab(name: str, workdir: Path, rounds: int) -> dict:
     """lorafleet with projection weights pre-packed for oneDNN against F.linear on plain weights (the runner's
     packed_weights switch), base-only and fleet, the two engines' passes alternating; best of `rounds`."""
     w = WORKLOADS[name](workdir)
-    generated = len(w.prompts) * w.new_tokens
     engines = {"packed": Lorafleet(w, packed_weights=True), "F.linear": Lorafleet(w, packed_weights=False)}
+    return _alternating(w, engines, rounds, "projections through pre-packed oneDNN vs F.linear")
+
+
+def adapter_dtype_ab(name: str, workdir: Path, rounds: int) -> dict:
+    """lorafleet with its adapters stored in fp32 (the default) against the 16-bit adapter pool (bf16 and fp16),
+    base-only and fleet, the engines' passes alternating; best of `rounds`. The greedy tokens of each 16-bit pool
+    are compared with the fp32 pool's (the fleet's fp32 adapters are rounded to nearest as they are placed)."""
+    import torch
+
+    w = WORKLOADS[name](workdir)
+    engines = {"fp32": Lorafleet(w), "bf16": Lorafleet(w, adapter_dtype=torch.bfloat16),
+               "fp16": Lorafleet(w, adapter_dtype=torch.float16)}
+    return _alternating(w, engines, rounds, "adapters stored in fp32 vs bf16 vs fp16")
+
+
+def _alternating(w: Workload, engines: dict, rounds: int, title: str) -> dict:
+    """Best-of-`rounds` tok/s of each engine, base-only and fleet, passes alternating; tokens against the first's."""
+    generated = len(w.prompts) * w.new_tokens
     best: dict[tuple[str, str], tuple[float, list]] = {}
-    print(f"\n== {name}: lorafleet, projections through pre-packed oneDNN vs F.linear, passes alternating ==")
+    print(f"\n== {w.name}: lorafleet, {title}, passes alternating ==")
     for rnd in range(rounds):
         for mode in ("base", "fleet"):
             for label, eng in engines.items():
@@ -583,13 +603,22 @@ def packing_ab(name: str, workdir: Path, rounds: int) -> dict:
                     best[label, mode] = (wall, tokens)
     for eng in engines.values():
         eng.close()
-    out = {"workload": name}
+    out: dict = {"workload": w.name}
+    first, *others = engines
     for mode in ("base", "fleet"):
-        (wp, tp), (wl, tl) = best["packed", mode], best["F.linear", mode]
-        same = sum(a == b for a, b in zip(tp, tl, strict=True))
-        out[mode] = {"packed_tok_s": generated / wp, "linear_tok_s": generated / wl, "ratio": wl / wp, "same": same}
-        print(f"{mode:5s}: packed {generated / wp:.1f} tok/s, F.linear {generated / wl:.1f} tok/s -> {wl / wp:.2f}x; "
-              f"same greedy tokens {same}/{len(tp)}", flush=True)
+        w0, t0 = best[first, mode]
+        out[mode] = {f"{first}_tok_s": generated / w0}
+        line = [f"{first} {generated / w0:.1f} tok/s"]
+        for label in others:
+            wl, tl = best[label, mode]
+            same = sum(a == b for a, b in zip(t0, tl, strict=True))
+            out[mode].update({f"{label}_tok_s": generated / wl, f"{label}_speedup": w0 / wl, f"{label}_same": same})
+            line.append(f"{label} {generated / wl:.1f} tok/s ({w0 / wl:.2f}x, same greedy tokens {same}/{len(tl)})")
+        print(f"{mode:5s}: " + ", ".join(line), flush=True)
+    for label in engines:
+        ratio = best[label, "base"][0] / best[label, "fleet"][0]
+        out[f"{label}_fleet_vs_base"] = ratio
+        print(f"{label}: fleet / base-only {ratio:.2f}", flush=True)
     return out
 
 
@@ -608,14 +637,17 @@ def run_main(argv: list[str]) -> None:
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM (and building its venv)")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--packing-ab", action="store_true", help="only lorafleet: pre-packed oneDNN vs F.linear")
+    ap.add_argument("--adapter-dtype-ab", action="store_true",
+                    help="only lorafleet: adapters stored in fp32 vs the 16-bit adapter pool (bf16, fp16)")
     args = ap.parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch "
           f"{torch.__version__}, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', 'default')}; load average {load():.1f}", flush=True)
-    if args.packing_ab:
-        out = [packing_ab(name, workdir, args.rounds) for name in args.workloads.split(",")]
+    if args.packing_ab or args.adapter_dtype_ab:
+        ab = packing_ab if args.packing_ab else adapter_dtype_ab
+        out = [ab(name, workdir, args.rounds) for name in args.workloads.split(",")]
         print(f"load average at end {load():.1f}")
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))

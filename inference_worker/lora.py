@@ -26,6 +26,7 @@ from protocol.memory import adapter_layout, adapter_pages
 from .memory_pool import PagePool
 
 TARGETS = TARGET_MODULES
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # the 16-bit adapter pool's choices beside an fp32 model
 
 def parse_peft_key(name: str) -> tuple[int, str, str]:
     """'base_model.model.model.layers.3.mlp.up_proj.lora_B.weight' -> (3, 'up_proj', 'B'); in-memory PEFT
@@ -58,17 +59,25 @@ class LoraPool:
     """The adapters resident in the memory pool, their offset tables and scales, and the per-step mapping."""
 
     def __init__(self, pool: PagePool, shape: ModelShape, *, max_rank: int, block_size: int,
-                 fixed_slots: int = 0) -> None:
+                 fixed_slots: int = 0, dtype: torch.dtype | None = None) -> None:
         self.pool, self.shape, self.max_rank, self.block_size = pool, shape, max_rank, block_size
         self.num_layers = shape.num_layers
         self.device = pool.device
         self.projections = shape.projections()  # proj -> (d_in, d_out)
-        self._buffers = [pool.layer_buffer(layer) for layer in range(pool.num_layers)]
+        # The adapters' element type: the pool's (the model's), or 16-bit beside an fp32 pool, two adapter elements
+        # in each pool element (LORAFLEET_ADAPTER_DTYPE: half the pages, half the bytes a decode step reads).
+        self.dtype = dtype or pool.dtype
+        if self.dtype != pool.dtype and not (pool.dtype == torch.float32 and self.dtype in HALF_DTYPES):
+            raise ValueError(f"adapters in {self.dtype} beside a {pool.dtype} pool: adapters are stored in the model's "
+                             f"dtype, or in bfloat16 / float16 beside a float32 model")
+        self.packing = pool.dtype.itemsize // self.dtype.itemsize  # adapter elements per pool element
+        self.page_elems = pool.page_elems * self.packing  # adapter elements of one page, per layer
+        self._buffers = [pool.layer_buffer(layer).view(self.dtype) for layer in range(pool.num_layers)]
         self._slots: list[Resident | None] = []
         self._reserve: list[int] = []  # free fixed-slot runs (first pages)
         self.fixed_pages = 0
         if fixed_slots:
-            self.fixed_pages = adapter_pages(shape, max_rank, TARGET_MODULES, block_size)
+            self.fixed_pages = adapter_pages(shape, max_rank, TARGET_MODULES, block_size, self.packing)
             for _ in range(fixed_slots):
                 start = pool.allocate_extent(self.fixed_pages)
                 if start is None:
@@ -95,7 +104,7 @@ class LoraPool:
         if self.fixed_pages:
             return self.fixed_pages
         return adapter_pages(self.shape, rank, [t for t in targets if t in self.projections] or TARGET_MODULES,
-                             self.block_size)
+                             self.block_size, self.packing)
 
     @property
     def resident_bytes(self) -> int:
@@ -141,14 +150,14 @@ class LoraPool:
                 raise NoRoom("every fixed slot holds an adapter")
             pages, start, reserved = self.fixed_pages, self._reserve.pop(), True
         else:
-            pages, reserved = adapter_pages(self.shape, rank, targets, self.block_size), False
+            pages, reserved = adapter_pages(self.shape, rank, targets, self.block_size, self.packing), False
             extent = self.pool.allocate_extent(pages)
             if extent is None:
                 raise NoRoom(f"no run of {pages} free pages (largest {self.pool.largest_free_run()}, "
                              f"{self.pool.num_free} free)")
             start = extent
         offsets = adapter_layout(self.shape, rank, targets)
-        base = start * self.pool.page_elems
+        base = start * self.page_elems
         try:
             for layer in range(self.num_layers):
                 buf = self._buffers[layer]
@@ -165,7 +174,7 @@ class LoraPool:
                         a_dst[r:].zero_()
                         bt_dst[r:].zero_()
                     if a is not None and b is not None and r:
-                        a_dst[:r].copy_(a)  # copy_ converts dtype and device
+                        a_dst[:r].copy_(a)  # copy_ converts dtype (rounds to nearest) and device
                         bt_dst[:r].copy_(b.t())
         except BaseException:
             self._give_back(start, pages, reserved)
@@ -199,7 +208,7 @@ class LoraPool:
 
     def _rebuild(self) -> None:
         """New offset tables and scales after a change (adapters load and evict; steps only read)."""
-        E = self.pool.page_elems
+        E = self.page_elems
         self.tables: dict[str, LoraTable] = {}
         for proj, (d_in, d_out) in self.projections.items():
             a, b, ranks = [], [], []

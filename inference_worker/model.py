@@ -388,13 +388,18 @@ class ModelRunner:
 
     Memory: give either `memory_bytes`, the budget for the base weights, the activation workspace and the
     pool (protocol.memory.split_budget sizes the pool from it), or `pool_pages` directly (tests, benches).
+
+    `adapter_dtype`: how resident adapters are stored, the model's dtype by default. Beside an fp32 model,
+    bfloat16 or float16 halves an adapter's pages and the bytes the LoRA term reads each step; the kernels
+    widen the weights to fp32 in registers, so only the stored weights are rounded (exact for adapters
+    uploaded in that dtype, to nearest for fp32 ones).
     """
 
     def __init__(self, checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, block_size: int = 16, max_lora_rank: int = 64,
                  enable_lora: bool = True, memory_bytes: int | None = None, pool_pages: int | None = None,
                  max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0,
-                 packed_weights: bool | None = None) -> None:
+                 packed_weights: bool | None = None, adapter_dtype: torch.dtype | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -458,7 +463,7 @@ class ModelRunner:
         self.lora: LoraPool | None = None
         if enable_lora:
             self.lora = LoraPool(self.pool, self.shape, max_rank=max_lora_rank, block_size=block_size,
-                                 fixed_slots=fixed_lora_slots)
+                                 fixed_slots=fixed_lora_slots, dtype=adapter_dtype)
 
     def workspace_estimate(self) -> int:
         """The activation workspace of the largest step, by the shared arithmetic (protocol.memory)."""
@@ -509,6 +514,7 @@ class ModelRunner:
             "block_size": self.block_size, "weights_bytes": self.weights_bytes,
             "kv_blocks_used": pool.kv_pages, "free_pages": pool.num_free, "largest_free_run": pool.largest_free_run(),
             "adapter_pages": pool.adapter_pages,
+            "adapter_dtype": str(self.lora.dtype).removeprefix("torch.") if self.lora is not None else None,
             "adapter_bytes_resident": self.lora.resident_bytes if self.lora is not None else 0,
             "resident_adapters_by_rank": {str(k): v for k, v in self.lora.resident_by_rank().items()}
             if self.lora is not None else {},

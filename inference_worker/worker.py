@@ -142,12 +142,26 @@ def memory_budget(device: str, *, memory_fraction: float | None = None, memory_g
     return int(CPU_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+ADAPTER_DTYPES = ("", "float32", "bfloat16", "float16")  # "": the model's own
+
+
+def adapter_dtype_of(name: str | None):
+    """The torch dtype `--adapter-dtype` / LORAFLEET_WORKER_ADAPTER_DTYPE names; None (the model's) for ""."""
+    import torch
+
+    if not name:
+        return None
+    if name not in ADAPTER_DTYPES:
+        raise ValueError(f"adapter dtype {name!r}: expected one of {', '.join(d for d in ADAPTER_DTYPES if d)}")
+    return getattr(torch, name)
+
+
 def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_path: str, device: str | None = None,
                   concurrency: int = 64, max_running: int | None = None, max_lora_rank: int = 64,
                   memory_fraction: float | None = None,
                   memory_gb: float | None = None, prefill_chunk: int = 256, tenant: str = "",
                   tenant_id: str = "", worker_id: str | None = None,
-                  host_cache_mb: float | None = None) -> WorkerRuntime:
+                  host_cache_mb: float | None = None, adapter_dtype: str | None = None) -> WorkerRuntime:
     """Load the base once and start the engine; the process-wide singleton every task uses.
 
     `concurrency` task threads hand jobs to the engine, which runs up to `max_running` sequences at once
@@ -166,7 +180,8 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
         started = time.perf_counter()
         budget = memory_budget(device, memory_fraction=memory_fraction, memory_gb=memory_gb)
         runner = ModelRunner(checkpoint_path, device=device, max_lora_rank=max_lora_rank, memory_bytes=budget,
-                             max_running=max_running, max_batch_tokens=prefill_chunk + max_running)
+                             max_running=max_running, max_batch_tokens=prefill_chunk + max_running,
+                             adapter_dtype=adapter_dtype_of(adapter_dtype))
         # the engine verifies each blob's sha256
         fair = os.environ.get("LORAFLEET_WORKER_FAIR", "1").lower() not in ("0", "false", "no")  # 0: FIFO
         host_cache = {} if host_cache_mb is None else {"host_cache_bytes": int(host_cache_mb * 1e6)}
@@ -198,7 +213,8 @@ def get_runtime() -> WorkerRuntime:
     gb = os.environ.get("LORAFLEET_WORKER_MEMORY_GB")
     return build_runtime(base_slug=base.slug, base_sha256=base.sha256, queue=base.queue_name,
                          checkpoint_path=base.checkpoint_path, max_lora_rank=base.max_lora_rank,
-                         memory_gb=float(gb) if gb else None)
+                         memory_gb=float(gb) if gb else None,
+                         adapter_dtype=os.environ.get("LORAFLEET_WORKER_ADAPTER_DTYPE") or None)
 
 
 def set_runtime(runtime: WorkerRuntime | None) -> None:

@@ -13,8 +13,10 @@ Measured on 7B shapes (bench/kernels.py, bench/RESULTS.md):
 Weights are read in place from the flat buffer at the table's offsets: A_s as [r, d_in] rows, B_s as
 rank-major [r, d_out] rows (B^T), so the expand streams exactly rank x d_out floats per adapter and a
 rank-4 adapter costs ~1/10 of a rank-64 one (a column-major B cost ~1/3: strided reads, latency-bound).
-Anything the native kernel does not cover (non-fp32, x or out with non-unit column stride, no compiler)
-takes the torch path, which also accumulates in fp32 and rounds once.
+The weights may be bf16 or fp16 beside fp32 activations (a 16-bit adapter pool: half the bytes a decode
+step reads); the kernel widens them in registers, so only the stored weights are rounded. Anything the
+native kernel does not cover (x or out not fp32, or with a non-unit column stride, no compiler) takes
+the torch path, which also accumulates in fp32 and rounds once.
 """
 from __future__ import annotations
 
@@ -35,23 +37,24 @@ Segments = tuple[tuple[int, int, int, int], ...]  # (start, end, slot, rank)
 def add_lora_cpu(
     out: torch.Tensor,  # [T, d_out], updated in place
     x: torch.Tensor,  # [T, d_in]
-    buffer: torch.Tensor,  # 1-D contiguous, same dtype as x
+    buffer: torch.Tensor,  # 1-D contiguous, x's dtype (or bf16 / fp16 beside an fp32 x)
     table: LoraTable,
     mapping: LoraMapping,
     plan: SegmentPlan,  # mapping.plan(table), not empty
     slot_scales: torch.Tensor,  # float32 [S]
 ) -> torch.Tensor:
     lib = cpu_native.load() if _native_ok(out, x, buffer, slot_scales) else None
-    if lib is None:
+    entry = _ENTRY.get(buffer.dtype) if lib is not None else None
+    if entry is None:
         return _add_lora_torch(out, x, buffer, table, plan.segments, slot_scales)
     cpu_plan = plan.cpu_plan(LONG_SEGMENT)
     if cpu_plan.num_short:
         y = mapping.scratch(max(table.max_rank, 1))  # [T, >= every rank] fp32 scratch for the shrink
-        weight_bytes = cpu_plan.short_rank_sum * (table.d_in + table.d_out) * 4
+        weight_bytes = cpu_plan.short_rank_sum * (table.d_in + table.d_out) * buffer.element_size()
         threads = torch.get_num_threads() if weight_bytes >= PARALLEL_BYTES else 1
         starts, lens, slots, ranks = cpu_plan.short_ptrs
         a_offs, b_offs = table.host_offset_ptrs
-        lib.sgmv_add_f32(
+        getattr(lib, entry)(
             cpu_plan.num_short, starts, lens, slots, ranks,
             x.data_ptr(), x.stride(0),
             buffer.data_ptr(), a_offs, b_offs,
@@ -65,9 +68,14 @@ def add_lora_cpu(
     return out
 
 
+# the native entry point for each weight dtype: x and out are fp32 for all three (a 16-bit adapter pool beside
+# an fp32 model is widened in registers)
+_ENTRY = {torch.float32: "sgmv_add_f32", torch.bfloat16: "sgmv_add_f32_bf16w", torch.float16: "sgmv_add_f32_f16w"}
+
+
 def _native_ok(out, x, buffer, slot_scales) -> bool:
     return (
-        out.dtype == x.dtype == buffer.dtype == slot_scales.dtype == torch.float32
+        out.dtype == x.dtype == slot_scales.dtype == torch.float32
         and slot_scales.is_contiguous() and buffer.is_contiguous()
         and out.stride(1) == 1 and x.stride(1) == 1
     )
@@ -89,7 +97,7 @@ def _add_lora_torch(out, x, buffer, table: LoraTable, segments: Segments, slot_s
 
 def lora_shrink_cpu(
     x: torch.Tensor,  # [T, d_in]
-    buffer: torch.Tensor,  # 1-D, same dtype as x
+    buffer: torch.Tensor,  # 1-D, x's dtype (or bf16 / fp16 beside an fp32 x)
     table: LoraTable,
     plan: SegmentPlan,
     y: torch.Tensor,  # float32 [T, table.max_rank], zeroed; written for active tokens

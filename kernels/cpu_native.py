@@ -33,7 +33,7 @@ _i64, _p = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = (
     _i64, _p, _p, _p, _p,  # G, seg starts, lens, slots, ranks (int32 [G] each)
     _p, _i64,  # x, row stride
-    _p, _p, _p,  # flat weight buffer, A offsets, B offsets (int64 [S] element offsets)
+    _p, _p, _p,  # flat weight buffer (fp32, bf16 or fp16 by entry point), A, B offsets (int64 [S] elements)
     _p, _i64,  # out, row stride
     _p,  # scales
     _p, _i64,  # y scratch, row stride
@@ -122,8 +122,9 @@ def load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(target))
         except (OSError, RuntimeError, subprocess.SubprocessError):
             return None
-        lib.sgmv_add_f32.argtypes = _ARGTYPES
-        lib.sgmv_add_f32.restype = None
+        for fn in (lib.sgmv_add_f32, lib.sgmv_add_f32_bf16w, lib.sgmv_add_f32_f16w):
+            fn.argtypes = _ARGTYPES
+            fn.restype = None
         lib.paged_decode_attention_f32.argtypes = _ATTN_ARGTYPES
         lib.paged_decode_attention_f32.restype = ctypes.c_int
         lib.rms_norm_f32.argtypes = _RMS_ARGTYPES

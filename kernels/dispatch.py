@@ -24,6 +24,7 @@ from .mapping import LoraMapping, SegmentPlan
 from .table import LoraTable
 
 _BACKENDS = ("auto", "triton", "cpu", "reference")
+_HALF = (torch.bfloat16, torch.float16)  # 16-bit weights an fp32 x may be given (a 16-bit adapter pool)
 
 
 _DEFAULT_BACKEND = os.environ.get("LORAFLEET_KERNELS_BACKEND", "auto")  # read once: this runs per projection
@@ -52,8 +53,9 @@ def _plan(buffer: torch.Tensor, table: LoraTable, mapping: LoraMapping) -> Segme
 def _check_x(x: torch.Tensor, buffer: torch.Tensor, table: LoraTable, mapping: LoraMapping) -> None:
     if x.dim() != 2 or x.shape != (mapping.num_tokens, table.d_in):
         raise ValueError(f"x must be [T={mapping.num_tokens}, d_in={table.d_in}], got {tuple(x.shape)}")
-    if buffer.dtype != x.dtype:
-        raise ValueError(f"buffer dtype {buffer.dtype} differs from x's {x.dtype}")
+    if buffer.dtype != x.dtype and not (x.dtype == torch.float32 and buffer.dtype in _HALF):
+        raise ValueError(f"buffer dtype {buffer.dtype} does not go with x's {x.dtype}: the weights share x's dtype, "
+                         f"or are bf16 / fp16 beside fp32 activations")
 
 
 def _check_out(out: torch.Tensor, table: LoraTable, mapping: LoraMapping, slot_scales: torch.Tensor) -> None:
@@ -67,7 +69,7 @@ def _check_out(out: torch.Tensor, table: LoraTable, mapping: LoraMapping, slot_s
 def add_lora(
     out: torch.Tensor,  # [T, d_out], accumulated in place; may be a column view of a wider output
     x: torch.Tensor,  # [T, d_in]
-    buffer: torch.Tensor,  # 1-D contiguous, same dtype as x: A and B^T of every slot at the table's offsets
+    buffer: torch.Tensor,  # 1-D contiguous, x's dtype (or bf16 / fp16 beside an fp32 x): every slot's A and B^T
     table: LoraTable,
     mapping: LoraMapping,
     slot_scales: torch.Tensor,  # float32 [S]
@@ -102,7 +104,7 @@ def add_lora(
 
 def lora_shrink(
     x: torch.Tensor,  # [T, d_in]
-    buffer: torch.Tensor,  # 1-D contiguous, same dtype as x
+    buffer: torch.Tensor,  # 1-D contiguous, x's dtype (or bf16 / fp16 beside an fp32 x)
     table: LoraTable,
     mapping: LoraMapping,
     out: torch.Tensor | None = None,  # float32 [T, table.max_rank]

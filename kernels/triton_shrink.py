@@ -24,7 +24,7 @@ from .table import LoraTable
 @triton.jit
 def _shrink_kernel(
     x_ptr,  # [T, d_in], any float dtype
-    w_ptr,  # flat weight buffer, same dtype as x
+    w_ptr,  # flat weight buffer, x's dtype (or 16-bit beside an fp32 x: widened before the dot)
     y_ptr,  # [T, >= max rank] fp32, zeroed when SPLIT_K > 1
     a_offsets_ptr,  # [S] int64, element offset of each slot's A ([r_s, d_in] row-major) in w
     ranks_ptr,  # [S] int32, real rank of each slot in this table (0 = no weights)
@@ -80,8 +80,8 @@ def _shrink_kernel(
             )  # [BLOCK_K, BLOCK_R]
             if UPCAST_DOT:
                 acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-            elif FP32_IEEE:
-                acc += tl.dot(x, a, input_precision="ieee")
+            elif FP32_IEEE:  # fp32 x: 16-bit weights are widened (exactly) to meet it
+                acc += tl.dot(x, a.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(x, a)
         y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_r[None, :] * stride_yr
@@ -102,14 +102,15 @@ def _split_k(num_programs: int, d_in: int, block_k: int) -> int:
 
 def triton_shrink(
     x: torch.Tensor,  # [T, d_in]
-    buffer: torch.Tensor,  # 1-D contiguous, same dtype as x
+    buffer: torch.Tensor,  # 1-D contiguous, x's dtype (or 16-bit beside an fp32 x)
     table: LoraTable,
     mapping: LoraMapping,
     plan: SegmentPlan,  # mapping.plan(table)
     y: torch.Tensor,  # [T, >= table.max_rank] fp32, zeroed by the caller
 ) -> torch.Tensor:
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
-    assert buffer.dtype == x.dtype, "x and the weight buffer must share a dtype"
+    assert buffer.dtype == x.dtype or (x.dtype == torch.float32 and buffer.dtype in (torch.float16, torch.bfloat16)), \
+        "the weight buffer shares x's dtype, or is 16-bit beside an fp32 x"
     assert buffer.dim() == 1 and buffer.is_contiguous(), "the weight buffer is flat"
     assert y.dtype == torch.float32 and y.stride(1) == 1 and y.shape[1] >= plan.max_rank
     assert x.stride(1) == 1, "the reduction axis must be contiguous"

@@ -9,7 +9,8 @@ what the worker does. Pure Python: no torch, no Django.
     pool pages          = floor((budget - weights - workspace) / page bytes)
     KV blocks of a seq  = ceil((prompt + max_tokens) / block_size)         one page each
     adapter pages       = ceil(rank x sum over its targets of (in + out) / page elements per layer)
-                          (each matrix rounded up to ALIGN elements)
+                          (each matrix rounded up to ALIGN elements; a 16-bit adapter pool beside fp32
+                          pages fits two adapter elements in each page element: half the pages)
 
 An adapter's pages are one contiguous run; inside it, per layer, each targeted projection's A [r, in]
 then B^T [r, out], in TARGET_MODULES order. So an adapter costs its real rank and its real targets, up
@@ -65,9 +66,10 @@ def adapter_layout(shape: ModelShape, rank: int, targets) -> dict[str, tuple[int
     return out
 
 
-def adapter_pages(shape: ModelShape, rank: int, targets, block_size: int) -> int:
-    """Pages of one adapter of `rank` on `targets` (the worker allocates exactly this many)."""
-    return -(-adapter_elements_per_layer(shape, rank, targets) // page_elements(shape, block_size))
+def adapter_pages(shape: ModelShape, rank: int, targets, block_size: int, packing: int = 1) -> int:
+    """Pages of one adapter of `rank` on `targets` (the worker allocates exactly this many). `packing`: adapter
+    elements per pool element, 2 for a 16-bit adapter pool beside fp32 KV pages (half the pages)."""
+    return -(-adapter_elements_per_layer(shape, rank, targets) // (page_elements(shape, block_size) * int(packing)))
 
 
 def workspace_bytes(shape: ModelShape, *, vocab_size: int, max_batch_tokens: int, max_running: int,

@@ -2,8 +2,8 @@
  * slot's weights where the memory pool put them.
  *
  * Built by kernels/cpu_native.py with gcc -O3 -march=native -ffast-math and called through ctypes, so
- * one call covers every segment of a projection (no Python per segment). Weights live in one flat fp32
- * buffer: A of slot s is the row-major [r, d_in] block at w + a_offs[s], B of slot s is stored rank-major
+ * one call covers every segment of a projection (no Python per segment). Weights live in one flat buffer
+ * (fp32, or bf16 / fp16 for a 16-bit adapter pool; x, out and every sum stay fp32): A of slot s is the row-major [r, d_in] block at w + a_offs[s], B of slot s is stored rank-major
  * ([r, d_out], i.e. B^T) at w + b_offs[s]; offsets are int64 elements and need no alignment. Per segment:
  *   shrink: y[t, j] = A[j, :] . x[t]                     for the segment's tokens, j < rank
  *   expand: out[t, :] += scale * sum_j y[t, j] * B^T[j, :] (rank axpys over contiguous rows)
@@ -20,8 +20,30 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-static void shrink_unit(const float *x, int64_t sx, const float *arows, int64_t sar, int nrows,
-                        float *y, int64_t sy, int64_t len, int64_t d_in) {
+/* The weight buffer's element type. fp32 is the model's own; bf16 and fp16 are the 16-bit adapter pool
+ * (inference_worker.lora: LORAFLEET_ADAPTER_DTYPE), read at half the bytes and widened to fp32 in
+ * registers, so every product and sum below is fp32 whatever the storage. Each unit is written once and
+ * inlined into one entry point per kind, so the kind is a constant there and the branches fold away. */
+enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
+
+static inline __attribute__((always_inline)) float wload(const void *w, int64_t k, int kind) {
+    if (kind == W_BF16) {  /* bf16 is fp32's upper half: widening is a 16-bit shift */
+        uint32_t u = (uint32_t)((const uint16_t *)w)[k] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    if (kind == W_F16) return (float)((const _Float16 *)w)[k];
+    return ((const float *)w)[k];
+}
+
+static inline __attribute__((always_inline)) const void *wat(const void *w, int64_t elems, int kind) {
+    return (const char *)w + elems * (kind == W_F32 ? 4 : 2);
+}
+
+static inline __attribute__((always_inline)) void shrink_unit(
+        const float *x, int64_t sx, const void *arows, int64_t sar, int nrows, float *y, int64_t sy, int64_t len,
+        int64_t d_in, int kind) {
     for (int64_t t0 = 0; t0 < len; t0 += TB) {
         int nt = (int)min64(TB, len - t0);
         const float *x0 = x + t0 * sx;
@@ -29,18 +51,21 @@ static void shrink_unit(const float *x, int64_t sx, const float *arows, int64_t 
         const float *x2 = x0 + (nt > 2 ? 2 * sx : 0);
         const float *x3 = x0 + (nt > 3 ? 3 * sx : 0);
         for (int j = 0; j < nrows; j++) {
-            const float *ar = arows + j * sar;
+            const void *ar = wat(arows, j * sar, kind);
             float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
             if (nt == 1) {
                 #pragma omp simd reduction(+:s0)
-                for (int64_t k = 0; k < d_in; k++) s0 += ar[k] * x0[k];
+                for (int64_t k = 0; k < d_in; k++) s0 += wload(ar, k, kind) * x0[k];
             } else if (nt == 2) {
                 #pragma omp simd reduction(+:s0,s1)
-                for (int64_t k = 0; k < d_in; k++) { s0 += ar[k] * x0[k]; s1 += ar[k] * x1[k]; }
+                for (int64_t k = 0; k < d_in; k++) {
+                    float a = wload(ar, k, kind);
+                    s0 += a * x0[k]; s1 += a * x1[k];
+                }
             } else {
                 #pragma omp simd reduction(+:s0,s1,s2,s3)
                 for (int64_t k = 0; k < d_in; k++) {
-                    float a = ar[k];
+                    float a = wload(ar, k, kind);
                     s0 += a * x0[k]; s1 += a * x1[k]; s2 += a * x2[k]; s3 += a * x3[k];
                 }
             }
@@ -59,8 +84,10 @@ static void shrink_unit(const float *x, int64_t sx, const float *arows, int64_t 
  * 1024 columns took 27.5 ms a step against 30.9 at 256 (512-token prefill: 82 against 88 ms); 2048 was no
  * faster. Every projection here but a 7B MLP's is one tile wide: B is read row after row. */
 #define NB 1024  /* output columns per tile: TB x NB fp32 accumulators (16 KB) stay in L1 */
-static void expand_unit_rank_major(const float *y, int64_t sy, const float *b, int64_t sbr, int rank,
-                                   float *out, int64_t so, int64_t len, int64_t ncols, float scale) {
+static inline __attribute__((always_inline)) void expand_unit_rank_major(
+        const float *y, int64_t sy, const void *b, int64_t sbr, int rank, float *out, int64_t so, int64_t len,
+        int64_t ncols, float scale, int kind) {
+    const int line = kind == W_F32 ? 16 : 32;  /* elements per 64-byte line */
     for (int64_t t0 = 0; t0 < len; t0 += TB) {
         int nt = (int)min64(TB, len - t0);
         for (int64_t n0 = 0; n0 < ncols; n0 += NB) {
@@ -69,27 +96,30 @@ static void expand_unit_rank_major(const float *y, int64_t sy, const float *b, i
             for (int t = 0; t < nt; t++) memset(acc[t], 0, (size_t)w * sizeof(float));
             int j = 0;
             for (; j + 4 <= rank; j += 4) {  /* four rank rows per pass: a quarter of the acc traffic */
-                const float *b0 = b + j * sbr + n0, *b1 = b0 + sbr, *b2 = b1 + sbr, *b3 = b2 + sbr;
+                const void *b0 = wat(b, j * sbr + n0, kind), *b1 = wat(b0, sbr, kind), *b2 = wat(b1, sbr, kind),
+                           *b3 = wat(b2, sbr, kind);
                 if (n0 + 2 * NB <= ncols)  /* next tile of these rows: rank streams outrun the hw prefetcher */
-                    for (int i = 0; i < NB; i += 16) {
-                        __builtin_prefetch(b0 + NB + i); __builtin_prefetch(b1 + NB + i);
-                        __builtin_prefetch(b2 + NB + i); __builtin_prefetch(b3 + NB + i);
+                    for (int i = 0; i < NB; i += line) {
+                        __builtin_prefetch(wat(b0, NB + i, kind)); __builtin_prefetch(wat(b1, NB + i, kind));
+                        __builtin_prefetch(wat(b2, NB + i, kind)); __builtin_prefetch(wat(b3, NB + i, kind));
                     }
                 for (int t = 0; t < nt; t++) {
                     const float *yt = y + (t0 + t) * sy + j;
                     float y0 = yt[0], y1 = yt[1], y2 = yt[2], y3 = yt[3];
                     float *at = acc[t];
                     #pragma omp simd
-                    for (int i = 0; i < w; i++) at[i] += y0 * b0[i] + y1 * b1[i] + y2 * b2[i] + y3 * b3[i];
+                    for (int i = 0; i < w; i++)
+                        at[i] += y0 * wload(b0, i, kind) + y1 * wload(b1, i, kind) + y2 * wload(b2, i, kind)
+                                 + y3 * wload(b3, i, kind);
                 }
             }
             for (; j < rank; j++) {
-                const float *bj = b + j * sbr + n0;
+                const void *bj = wat(b, j * sbr + n0, kind);
                 for (int t = 0; t < nt; t++) {
                     float yv = y[(t0 + t) * sy + j];
                     float *at = acc[t];
                     #pragma omp simd
-                    for (int i = 0; i < w; i++) at[i] += yv * bj[i];
+                    for (int i = 0; i < w; i++) at[i] += yv * wload(bj, i, kind);
                 }
             }
             for (int t = 0; t < nt; t++) {
@@ -104,20 +134,22 @@ static void expand_unit_rank_major(const float *y, int64_t sy, const float *b, i
 
 typedef struct {
     const int32_t *starts, *lens, *slots, *ranks;
-    const float *x, *w, *scales;
+    const float *x, *scales;
+    const void *w;  /* the flat weight buffer, elements of the entry point's kind */
     const int64_t *a_offs, *b_offs;
     float *out, *y;
     int64_t sx, so, sy, d_in, d_out;
 } sgmv_args;
 
 /* One segment: its shrink into y, then its expand into out. */
-static void run_segment(const sgmv_args *p, int64_t g) {
+static inline __attribute__((always_inline)) void run_segment(const sgmv_args *p, int64_t g, int kind) {
     const int64_t slot = p->slots[g], start = p->starts[g], len = p->lens[g];
     const int rank = p->ranks[g];
     float *y = p->y + start * p->sy;  /* [len, >= rank] scratch rows of this segment */
-    shrink_unit(p->x + start * p->sx, p->sx, p->w + p->a_offs[slot], p->d_in, rank, y, p->sy, len, p->d_in);
-    expand_unit_rank_major(y, p->sy, p->w + p->b_offs[slot], p->d_out, rank, p->out + start * p->so, p->so, len,
-                           p->d_out, p->scales[slot]);
+    shrink_unit(p->x + start * p->sx, p->sx, wat(p->w, p->a_offs[slot], kind), p->d_in, rank, y, p->sy, len,
+                p->d_in, kind);
+    expand_unit_rank_major(y, p->sy, wat(p->w, p->b_offs[slot], kind), p->d_out, rank, p->out + start * p->so,
+                           p->so, len, p->d_out, p->scales[slot], kind);
 }
 
 /* ---- helper threads -------------------------------------------------------------------------------
@@ -244,18 +276,25 @@ static void parallel_for_team(void (*run)(const void *, int64_t), const void *ar
     parallel_for(run, args, G, nthreads);
 }
 
-static void run_segment_unit(const void *args, int64_t g) { run_segment((const sgmv_args *)args, g); }
+static void run_segment_f32(const void *args, int64_t g) { run_segment((const sgmv_args *)args, g, W_F32); }
+static void run_segment_bf16(const void *args, int64_t g) { run_segment((const sgmv_args *)args, g, W_BF16); }
+static void run_segment_f16(const void *args, int64_t g) { run_segment((const sgmv_args *)args, g, W_F16); }
 
-/* y: scratch [T, sy] fp32, sy >= every rank. w: the flat weight buffer; a_offs, b_offs: int64 [S] element
- * offsets of each slot's A and B^T in it. One unit of work is a whole segment (its shrink then its
- * expand), so units never wait on each other. nthreads <= 1 runs on the calling thread only. */
-void sgmv_add_f32(int64_t G, const int32_t *starts, const int32_t *lens, const int32_t *slots,
-                  const int32_t *ranks, const float *x, int64_t sx, const float *w, const int64_t *a_offs,
-                  const int64_t *b_offs, float *out, int64_t so, const float *scales, float *y, int64_t sy,
-                  int64_t d_in, int64_t d_out, int nthreads) {
-    sgmv_args p = {starts, lens, slots, ranks, x, w, scales, a_offs, b_offs, out, y, sx, so, sy, d_in, d_out};
-    parallel_for_team(run_segment_unit, &p, G, nthreads);
-}
+/* y: scratch [T, sy] fp32, sy >= every rank. w: the flat weight buffer (fp32, or bf16 / fp16 for the _bf16w /
+ * _f16w entry points, x and out fp32 in all three); a_offs, b_offs: int64 [S] element offsets of each slot's
+ * A and B^T in it. One unit of work is a whole segment (its shrink then its expand), so units never wait on
+ * each other. nthreads <= 1 runs on the calling thread only. */
+#define SGMV_ENTRY(NAME, UNIT)                                                                                \
+    void NAME(int64_t G, const int32_t *starts, const int32_t *lens, const int32_t *slots,                   \
+              const int32_t *ranks, const float *x, int64_t sx, const void *w, const int64_t *a_offs,         \
+              const int64_t *b_offs, float *out, int64_t so, const float *scales, float *y, int64_t sy,        \
+              int64_t d_in, int64_t d_out, int nthreads) {                                                     \
+        sgmv_args p = {starts, lens, slots, ranks, x, scales, w, a_offs, b_offs, out, y, sx, so, sy, d_in, d_out}; \
+        parallel_for_team(UNIT, &p, G, nthreads);                                                              \
+    }
+SGMV_ENTRY(sgmv_add_f32, run_segment_f32)
+SGMV_ENTRY(sgmv_add_f32_bf16w, run_segment_bf16)
+SGMV_ENTRY(sgmv_add_f32_f16w, run_segment_f16)
 
 /* ---- decode attention over the paged KV cache --------------------------------------------------------
  * One query token per sequence, read straight from the pool's pages: no gather of K/V into a contiguous

@@ -205,8 +205,10 @@ def test_add_lora_refuses_mismatched_shapes():
         add_lora(torch.zeros(2, D_OUT), torch.zeros(2, D_IN + 1), buffer, table, mapping, scales)
     with pytest.raises(ValueError, match="reaches element"):  # the table points past the buffer
         add_lora(torch.zeros(2, D_OUT), torch.zeros(2, D_IN), buffer[: table.extent - 1], table, mapping, scales)
+    with pytest.raises(ValueError, match="dtype"):  # 16-bit activations need weights of their own dtype
+        add_lora(torch.zeros(2, D_OUT).half(), torch.zeros(2, D_IN).half(), buffer, table, mapping, scales)
     with pytest.raises(ValueError, match="dtype"):
-        add_lora(torch.zeros(2, D_OUT), torch.zeros(2, D_IN), buffer.half(), table, mapping, scales)
+        add_lora(torch.zeros(2, D_OUT).half(), torch.zeros(2, D_IN).half(), buffer.bfloat16(), table, mapping, scales)
     with pytest.raises(ValueError, match="flat contiguous"):
         add_lora(torch.zeros(2, D_OUT), torch.zeros(2, D_IN), buffer.view(1, -1), table, mapping, scales)
     with pytest.raises(ValueError, match="slots"):
@@ -227,6 +229,28 @@ def test_the_native_cpu_kernel_builds_and_serves_decode_batches(monkeypatch):
     out = torch.zeros(4, D_OUT)
     add_lora(out, torch.randn(4, D_IN), buffer, table, LoraMapping.build([0, 1, 1, 2], 3), torch.ones(3))
     assert calls == [] and out.abs().sum() > 0
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
+def test_the_native_kernel_reads_16_bit_weights_beside_fp32_activations(monkeypatch, w_dtype):
+    """The 16-bit adapter pool: the native kernel (not a torch fallback) widens bf16 / fp16 weights in registers,
+    so its answer is the fp32 computation on the stored weights, decode batches and prefill runs alike."""
+    from kernels import cpu
+
+    calls = []
+    monkeypatch.setattr(cpu, "_add_lora_torch", lambda *args: calls.append(args))
+    g = torch.Generator().manual_seed(5)
+    for trial, slots in enumerate(([0, 1, 1, 2], [2] * 70 + [-1] * 3 + [0] * 9, [1])):
+        buffer, table = pool(ranks=(4, 32, 9), d_in=72, d_out=140, seed=trial, dtype=w_dtype)
+        mapping = LoraMapping.build(slots, 3)
+        x, out = torch.randn(len(slots), 72, generator=g), torch.randn(len(slots), 140, generator=g)
+        scales = torch.tensor([0.5, 2.0, 1.0])
+        expected = add_lora_reference(out.clone(), x, buffer, table, mapping, scales)
+        got = add_lora(out, x, buffer, table, mapping, scales)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    assert calls == []
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler on this machine")

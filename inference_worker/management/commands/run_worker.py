@@ -54,6 +54,10 @@ class Command(BaseCommand):
         parser.add_argument("--host-cache-mb", type=float, default=None,
                             help="bytes of parsed adapters kept in host memory (LRU), in MB (default 2 GiB); a "
                                  "miss there is a cold load from storage")
+        parser.add_argument("--adapter-dtype", choices=worker.ADAPTER_DTYPES, default=settings.LORAFLEET_WORKER_ADAPTER_DTYPE,
+                            help="how resident adapters are stored: the model's dtype (default), or bfloat16 / "
+                                 "float16 beside a float32 (CPU) model: half the pages and half the bytes the LoRA "
+                                 "term reads each step; fp32 uploads are then rounded to nearest")
         parser.add_argument("--prefill-chunk", type=int, default=256,
                             help="prompt tokens per engine step (sizes the activation workspace)")
         parser.add_argument("--loglevel", default="INFO")
@@ -100,6 +104,7 @@ class Command(BaseCommand):
                 max_running=opts["max_running"],
                 max_lora_rank=base.max_lora_rank, memory_fraction=opts["memory_fraction"],
                 memory_gb=opts["memory_gb"], prefill_chunk=opts["prefill_chunk"], host_cache_mb=opts["host_cache_mb"],
+                adapter_dtype=opts["adapter_dtype"] or None,
                 tenant=tenant.slug if tenant else "", tenant_id=str(tenant.pk) if tenant else "",
             )
         except ValueError as exc:  # a budget that cannot hold the base, or a bad flag
