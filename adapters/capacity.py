@@ -367,18 +367,25 @@ def parse_fleet_mix(text: str, manifest: dict) -> list:
 
 def plan_pool(manifest: dict, *, budget_bytes: int, dtype: str = "fp32", block_size: int = 16,
               max_running: int = 64, prefill_chunk: int = 256, max_lora_rank: int = 64, device: str = "cpu",
-              fleet: list | tuple = (), context_len: int | None = None) -> dict:
+              fleet: list | tuple = (), context_len: int | None = None, adapter_dtype: str | None = None) -> dict:
     """What a worker built with these numbers does with its budget: weights, workspace, pages of the one
     pool (protocol.memory.split_budget, exactly as ModelRunner sizes itself), and with `fleet` resident,
     the pages adapters take, the pages left for KV and the concurrent full-context sequences.
 
     `device` only matters for the workspace: on CUDA the worker measures one forward pass and takes the
-    larger of that and this arithmetic, so a CUDA worker's pool may come out a little smaller than this."""
+    larger of that and this arithmetic, so a CUDA worker's pool may come out a little smaller than this.
+
+    `adapter_dtype` (run_worker --adapter-dtype): how resident adapters are stored, `dtype` by default; a
+    16-bit one beside fp32 pages puts two adapter elements in each page element."""
     from protocol.lora_layout import ModelShape
     from protocol.memory import BudgetTooSmall, plan_fleet, split_budget, workspace_bytes
 
     shape = ModelShape.from_config(manifest)
     db = dtype_bytes(dtype)
+    ab = dtype_bytes(adapter_dtype) if adapter_dtype else db
+    if ab != db and not (db == 4 and ab == 2):
+        raise CapacityError(f"adapters in {adapter_dtype} beside {dtype} weights: a worker stores adapters in the "
+                            f"model's dtype, or in bf16 / fp16 beside an fp32 model.")
     workspace = workspace_bytes(shape, vocab_size=manifest["vocab_size"], max_batch_tokens=prefill_chunk + max_running,
                                 max_running=max_running, max_context=manifest["max_position_embeddings"],
                                 max_lora_rank=max_lora_rank, dtype_bytes=db, chunked_decode=device != "cuda")
@@ -387,5 +394,6 @@ def plan_pool(manifest: dict, *, budget_bytes: int, dtype: str = "fp32", block_s
                              workspace_bytes=workspace, shape=shape, block_size=block_size, dtype_bytes=db)
     except BudgetTooSmall as exc:
         raise CapacityError(str(exc)) from None
-    plan = plan_fleet(split, shape, list(fleet), context_len=context_len or manifest["max_position_embeddings"])
-    return {"split": split.to_dict(), "fleet": plan.to_dict()}
+    plan = plan_fleet(split, shape, list(fleet), context_len=context_len or manifest["max_position_embeddings"],
+                      packing=db // ab)
+    return {"split": split.to_dict(), "fleet": plan.to_dict(), "adapter_dtype_bytes": ab}

@@ -157,8 +157,10 @@ class FleetPlan:
         return asdict(self)
 
 
-def plan_fleet(split: PoolSplit, shape: ModelShape, fleet: list[FleetEntry], *, context_len: int) -> FleetPlan:
-    per = tuple(adapter_pages(shape, e.rank, e.targets, split.block_size) for e in fleet)
+def plan_fleet(split: PoolSplit, shape: ModelShape, fleet: list[FleetEntry], *, context_len: int,
+               packing: int = 1) -> FleetPlan:
+    """`packing`: adapter elements per pool element (2: a 16-bit adapter pool beside fp32 pages)."""
+    per = tuple(adapter_pages(shape, e.rank, e.targets, split.block_size, packing) for e in fleet)
     used = sum(p * e.count for p, e in zip(per, fleet, strict=True))
     kv = split.num_pages - used
     per_seq = blocks_for(context_len, split.block_size)

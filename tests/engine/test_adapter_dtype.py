@@ -88,3 +88,12 @@ def test_adapters_of_another_width_than_the_model_allows_are_refused():
         LoraPool(pool, shape, max_rank=8, block_size=1, dtype=torch.float32)
     with pytest.raises(ValueError, match="beside a torch.bfloat16 pool"):
         LoraPool(pool, shape, max_rank=8, block_size=1, dtype=torch.float16)
+
+
+def test_the_worker_setting_names_a_dtype_or_is_refused():
+    from inference_worker.worker import adapter_dtype_of
+
+    assert adapter_dtype_of("") is None and adapter_dtype_of(None) is None  # the model's own
+    assert adapter_dtype_of("bfloat16") is torch.bfloat16 and adapter_dtype_of("float16") is torch.float16
+    with pytest.raises(ValueError, match="expected one of float32, bfloat16, float16"):
+        adapter_dtype_of("bf16")

@@ -113,9 +113,12 @@ def test_what_can_never_fit_is_refused_at_once(tiny_llama):
 
 
 @pytest.mark.django_db
-def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numbers(tiny_llama, tmp_path):
+@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16"])
+def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numbers(tiny_llama, tmp_path,
+                                                                                   adapter_dtype):
     """`manage.py capacity --memory-gb G --mix ...` prints the split a worker built with G reports in
-    worker_status, and the adapter pages that fleet takes once resident."""
+    worker_status, and the adapter pages that fleet takes once resident; with `--adapter-dtype bfloat16`, those of
+    a worker with the 16-bit adapter pool (half as many)."""
     import json
     from io import StringIO
 
@@ -129,7 +132,8 @@ def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numb
     out = StringIO()
     call_command("capacity", "--base", base.slug, "--rank", "16", "--adapters", "1", "--gpu-gb", "1",
                  "--memory-gb", str(gb), "--dtype", "fp32", "--max-running", str(running), "--prefill-chunk",
-                 str(chunk), "--mix", "8:attention-only:2,16:all-linear:1,4:q_proj+v_proj:3", "--json", stdout=out)
+                 str(chunk), "--mix", "8:attention-only:2,16:all-linear:1,4:q_proj+v_proj:3", "--json",
+                 *(["--adapter-dtype", adapter_dtype] if adapter_dtype else []), stdout=out)
     plan = json.loads(out.getvalue())["pool"]
 
     shape = ModelShape.from_config(base.shape_manifest)
@@ -141,7 +145,8 @@ def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numb
             blobs[key] = raw_adapter(shape, rank=rank, targets=targets, seed=10 * i + k)
             refs.append(ref_of(blobs[key], key, rank=rank, targets=targets))
     runner = ModelRunner(tiny_llama, memory_bytes=int(gb * 1e9), max_running=running,
-                         max_batch_tokens=chunk + running, max_lora_rank=64)
+                         max_batch_tokens=chunk + running, max_lora_rank=64,
+                         adapter_dtype=getattr(torch, adapter_dtype) if adapter_dtype else None)
     engine = Engine(runner, blobs.__getitem__, max_running=running, prefill_chunk=chunk).start()
     try:
         for ref in refs:
@@ -161,6 +166,19 @@ def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numb
     assert mem["adapter_pages"] == fleet["adapter_pages"] and mem["kv_blocks_used"] == 0
     assert mem["free_pages"] == fleet["kv_pages"]
     assert mem["resident_adapters_by_rank"] == {"4": 3, "8": 2, "16": 1}
+    fp32_pages = sum(adapter_pages(shape, r, t, 16) * n for r, t, n in mix)
+    assert mem["adapter_pages"] == (fp32_pages if adapter_dtype is None else
+                                    sum(adapter_pages(shape, r, t, 16, 2) * n for r, t, n in mix))
+    if adapter_dtype:
+        assert mem["adapter_pages"] <= fp32_pages / 2 + len(refs) and mem["adapter_dtype"] == adapter_dtype
+
+
+def test_capacity_refuses_an_adapter_dtype_no_worker_can_store():
+    from adapters.capacity import PRESET_NAMES, CapacityError, plan_pool, preset_manifest
+
+    manifest = preset_manifest(PRESET_NAMES[0])
+    with pytest.raises(CapacityError, match="bf16 / fp16 beside an fp32 model"):
+        plan_pool(manifest, budget_bytes=10**11, dtype="bf16", adapter_dtype="fp32")
 
 
 def test_a_thousand_adapters_through_a_pool_that_holds_twenty(tiny_llama, tmp_path):

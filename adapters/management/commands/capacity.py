@@ -63,6 +63,9 @@ class Command(BaseCommand):
         pool.add_argument("--max-running", type=int, default=64, help="run_worker --max-running (default 64).")
         pool.add_argument("--prefill-chunk", type=int, default=256, help="run_worker --prefill-chunk (default 256).")
         pool.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="Where the worker runs.")
+        pool.add_argument("--adapter-dtype", default=None,
+                          help="run_worker --adapter-dtype: bf16 or fp16 beside an fp32 model halves each adapter's "
+                               "pages (default: --dtype).")
         pool.add_argument("--max-lora-rank", type=int, default=None,
                           help="The base's max adapter rank (default: the registered base's, else the platform's).")
 
@@ -106,8 +109,7 @@ class Command(BaseCommand):
                 pool = plan_pool(manifest, budget_bytes=int(opts["memory_gb"] * GB), dtype=opts["dtype"],
                                  block_size=opts["block_size"], max_running=opts["max_running"],
                                  prefill_chunk=opts["prefill_chunk"], max_lora_rank=max_rank, device=opts["device"],
-                                 fleet=fleet,
-                                 context_len=opts["context"])
+                                 fleet=fleet, context_len=opts["context"], adapter_dtype=opts["adapter_dtype"])
             except CapacityError as exc:
                 raise CommandError(str(exc)) from None
         if opts["json"]:
