@@ -383,9 +383,10 @@ def plan_pool(manifest: dict, *, budget_bytes: int, dtype: str = "fp32", block_s
     shape = ModelShape.from_config(manifest)
     db = dtype_bytes(dtype)
     ab = dtype_bytes(adapter_dtype) if adapter_dtype else db
-    if ab != db and not (db == 4 and ab == 2):
+    half = (adapter_dtype or "").lower().removeprefix("torch.") in ("bf16", "bfloat16", "fp16", "float16")
+    if ab != db and not (db == 4 and half):
         raise CapacityError(f"adapters in {adapter_dtype} beside {dtype} weights: a worker stores adapters in the "
-                            f"model's dtype, or in bf16 / fp16 beside an fp32 model.")
+                            f"model's dtype, or in fp16 / bf16 beside an fp32 model.")
     workspace = workspace_bytes(shape, vocab_size=manifest["vocab_size"], max_batch_tokens=prefill_chunk + max_running,
                                 max_running=max_running, max_context=manifest["max_position_embeddings"],
                                 max_lora_rank=max_lora_rank, dtype_bytes=db, chunked_decode=device != "cuda")

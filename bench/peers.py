@@ -576,15 +576,15 @@ def packing_ab(name: str, workdir: Path, rounds: int) -> dict:
 
 
 def adapter_dtype_ab(name: str, workdir: Path, rounds: int) -> dict:
-    """lorafleet with its adapters stored in fp32 (the default) against the 16-bit adapter pool (bf16 and fp16),
-    base-only and fleet, the engines' passes alternating; best of `rounds`. The greedy tokens of each 16-bit pool
-    are compared with the fp32 pool's (the fleet's fp32 adapters are rounded to nearest as they are placed)."""
+    """lorafleet with its adapters stored in fp32 (the default) against the 16-bit adapter pool (fp16, bf16),
+    base-only and fleet, the engines' passes alternating; best of `rounds`. Each 16-bit pool's greedy tokens are
+    compared with the fp32 pool's (the fleet's fp32 adapters are rounded to nearest as they are placed)."""
     import torch
 
     w = WORKLOADS[name](workdir)
-    engines = {"fp32": Lorafleet(w), "bf16": Lorafleet(w, adapter_dtype=torch.bfloat16),
-               "fp16": Lorafleet(w, adapter_dtype=torch.float16)}
-    return _alternating(w, engines, rounds, "adapters stored in fp32 vs bf16 vs fp16")
+    engines = {"fp32": Lorafleet(w), "fp16": Lorafleet(w, adapter_dtype=torch.float16),
+               "bf16": Lorafleet(w, adapter_dtype=torch.bfloat16)}
+    return _alternating(w, engines, rounds, "adapters stored in fp32 vs fp16 vs bf16")
 
 
 def _alternating(w: Workload, engines: dict, rounds: int, title: str) -> dict:
@@ -638,7 +638,7 @@ def run_main(argv: list[str]) -> None:
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--packing-ab", action="store_true", help="only lorafleet: pre-packed oneDNN vs F.linear")
     ap.add_argument("--adapter-dtype-ab", action="store_true",
-                    help="only lorafleet: adapters stored in fp32 vs the 16-bit adapter pool (bf16, fp16)")
+                    help="only lorafleet: adapters stored in fp32 vs the 16-bit adapter pool (fp16, bf16)")
     args = ap.parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

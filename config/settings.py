@@ -239,7 +239,7 @@ LORAFLEET_WORKER_MAX_RUNNING = env_int("LORAFLEET_WORKER_MAX_RUNNING", 64)
 # The worker's memory budget in GB (base weights + workspace + the one pool of KV blocks and adapters);
 # unset: 0.90 of the device on CUDA, a quarter of RAM on CPU (run_worker --memory-fraction / --memory-gb).
 LORAFLEET_WORKER_MEMORY_GB = env_float("LORAFLEET_WORKER_MEMORY_GB", 0.0) or None
-# How a worker stores resident adapters (run_worker --adapter-dtype): "" = the model's dtype; bfloat16 or float16
+# How a worker stores resident adapters (run_worker --adapter-dtype): "" = the model's dtype; float16 or bfloat16
 # beside a float32 (CPU) model halves their pages and the bytes the LoRA term reads (fp32 uploads are rounded).
 LORAFLEET_WORKER_ADAPTER_DTYPE = env_str("LORAFLEET_WORKER_ADAPTER_DTYPE", "")
 # deliveries of one job before it is answered `worker_lost` (a request that kills workers must end)

@@ -390,7 +390,7 @@ class ModelRunner:
     pool (protocol.memory.split_budget sizes the pool from it), or `pool_pages` directly (tests, benches).
 
     `adapter_dtype`: how resident adapters are stored, the model's dtype by default. Beside an fp32 model,
-    bfloat16 or float16 halves an adapter's pages and the bytes the LoRA term reads each step; the kernels
+    float16 or bfloat16 halves an adapter's pages and the bytes the LoRA term reads each step; the kernels
     widen the weights to fp32 in registers, so only the stored weights are rounded (exact for adapters
     uploaded in that dtype, to nearest for fp32 ones).
     """

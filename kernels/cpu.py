@@ -13,8 +13,8 @@ Measured on 7B shapes (bench/kernels.py, bench/RESULTS.md):
 Weights are read in place from the flat buffer at the table's offsets: A_s as [r, d_in] rows, B_s as
 rank-major [r, d_out] rows (B^T), so the expand streams exactly rank x d_out floats per adapter and a
 rank-4 adapter costs ~1/10 of a rank-64 one (a column-major B cost ~1/3: strided reads, latency-bound).
-The weights may be bf16 or fp16 beside fp32 activations (a 16-bit adapter pool: half the bytes a decode
-step reads); the kernel widens them in registers, so only the stored weights are rounded. Anything the
+The weights may be bf16 or fp16 beside fp32 activations (the 16-bit adapter pool: half the bytes a decode
+step reads); the kernel widens them on the way in, so only the stored weights are rounded. Anything the
 native kernel does not cover (x or out not fp32, or with a non-unit column stride, no compiler) takes
 the torch path, which also accumulates in fp32 and rounds once.
 """
@@ -68,8 +68,8 @@ def add_lora_cpu(
     return out
 
 
-# the native entry point for each weight dtype: x and out are fp32 for all three (a 16-bit adapter pool beside
-# an fp32 model is widened in registers)
+# the native entry point for each weight dtype, x and out fp32 for all three (the 16-bit adapter pool's weights are
+# widened on the way in: csrc/sgmv_cpu.c)
 _ENTRY = {torch.float32: "sgmv_add_f32", torch.bfloat16: "sgmv_add_f32_bf16w", torch.float16: "sgmv_add_f32_f16w"}
 
 

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 _SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.c"
+_HEADERS = (Path(__file__).parent / "csrc" / "sgmv_units.h",)  # included by _SOURCE: part of the cache key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
 # Decode attention and SGMV run on the caller's OpenMP team (csrc/sgmv_cpu.c says why). The library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (torch is imported first, in load()), so
@@ -33,7 +34,7 @@ _i64, _p = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = (
     _i64, _p, _p, _p, _p,  # G, seg starts, lens, slots, ranks (int32 [G] each)
     _p, _i64,  # x, row stride
-    _p, _p, _p,  # flat weight buffer (fp32, bf16 or fp16 by entry point), A, B offsets (int64 [S] elements)
+    _p, _p, _p,  # flat weight buffer (fp32, bf16 or fp16 by entry point), A, B offsets (int64 [S])
     _p, _i64,  # out, row stride
     _p,  # scales
     _p, _i64,  # y scratch, row stride
@@ -113,7 +114,8 @@ def load() -> ctypes.CDLL | None:
             return None
         import torch  # noqa: F401  (first: the library's libgomp.so.1 is then torch's, already loaded)
 
-        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS + _OPENMP_FLAGS).encode()
+        source = _SOURCE.read_bytes() + b"".join(h.read_bytes() for h in _HEADERS)
+        key = hashlib.sha256(source + " ".join(_FLAGS + _OPENMP_FLAGS).encode()
                              + _cpu_fingerprint().encode())
         target = _cache_dir() / f"sgmv_cpu_{key.hexdigest()[:16]}.so"
         try:

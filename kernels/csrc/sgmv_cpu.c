@@ -3,7 +3,7 @@
  *
  * Built by kernels/cpu_native.py with gcc -O3 -march=native -ffast-math and called through ctypes, so
  * one call covers every segment of a projection (no Python per segment). Weights live in one flat buffer
- * (fp32, or bf16 / fp16 for a 16-bit adapter pool; x, out and every sum stay fp32): A of slot s is the row-major [r, d_in] block at w + a_offs[s], B of slot s is stored rank-major
+ * (fp32, or bf16 / fp16 for the 16-bit adapter pool; x, out and every sum stay fp32): A of slot s is the row-major [r, d_in] block at w + a_offs[s], B of slot s is stored rank-major
  * ([r, d_out], i.e. B^T) at w + b_offs[s]; offsets are int64 elements and need no alignment. Per segment:
  *   shrink: y[t, j] = A[j, :] . x[t]                     for the segment's tokens, j < rank
  *   expand: out[t, :] += scale * sum_j y[t, j] * B^T[j, :] (rank axpys over contiguous rows)
@@ -15,142 +15,92 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #define TB 4          /* tokens per register block */
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* The weight buffer's element type. fp32 is the model's own; bf16 and fp16 are the 16-bit adapter pool
- * (inference_worker.lora: LORAFLEET_ADAPTER_DTYPE), read at half the bytes and widened to fp32 in
- * registers, so every product and sum below is fp32 whatever the storage. Each unit is written once and
- * inlined into one entry point per kind, so the kind is a constant there and the branches fold away. */
-enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
-
-static inline __attribute__((always_inline)) float wload(const void *w, int64_t k, int kind) {
-    if (kind == W_BF16) {  /* bf16 is fp32's upper half: widening is a 16-bit shift */
-        uint32_t u = (uint32_t)((const uint16_t *)w)[k] << 16;
-        float f;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    if (kind == W_F16) return (float)((const _Float16 *)w)[k];
-    return ((const float *)w)[k];
-}
-
-static inline __attribute__((always_inline)) const void *wat(const void *w, int64_t elems, int kind) {
-    return (const char *)w + elems * (kind == W_F32 ? 4 : 2);
-}
-
-static inline __attribute__((always_inline)) void shrink_unit(
-        const float *x, int64_t sx, const void *arows, int64_t sar, int nrows, float *y, int64_t sy, int64_t len,
-        int64_t d_in, int kind) {
-    for (int64_t t0 = 0; t0 < len; t0 += TB) {
-        int nt = (int)min64(TB, len - t0);
-        const float *x0 = x + t0 * sx;
-        const float *x1 = x0 + (nt > 1 ? sx : 0);
-        const float *x2 = x0 + (nt > 2 ? 2 * sx : 0);
-        const float *x3 = x0 + (nt > 3 ? 3 * sx : 0);
-        for (int j = 0; j < nrows; j++) {
-            const void *ar = wat(arows, j * sar, kind);
-            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-            if (nt == 1) {
-                #pragma omp simd reduction(+:s0)
-                for (int64_t k = 0; k < d_in; k++) s0 += wload(ar, k, kind) * x0[k];
-            } else if (nt == 2) {
-                #pragma omp simd reduction(+:s0,s1)
-                for (int64_t k = 0; k < d_in; k++) {
-                    float a = wload(ar, k, kind);
-                    s0 += a * x0[k]; s1 += a * x1[k];
-                }
-            } else {
-                #pragma omp simd reduction(+:s0,s1,s2,s3)
-                for (int64_t k = 0; k < d_in; k++) {
-                    float a = wload(ar, k, kind);
-                    s0 += a * x0[k]; s1 += a * x1[k]; s2 += a * x2[k]; s3 += a * x3[k];
-                }
-            }
-            float s[TB] = {s0, s1, s2, s3};
-            for (int i = 0; i < nt; i++) y[(t0 + i) * sy + j] = s[i];
-        }
-    }
-}
-
-/* B stored rank-major ([r, d_out] rows of B^T): each rank row of B is a contiguous run of output
- * columns, so the expand is a sum of rank axpys streaming exactly rank x d_out floats (measured against
- * a column-major B: 0.6 vs 1.6 ms at r = 4, the layout that keeps mixed ranks proportional). Tiles are
- * wide (4 KB per rank row) because each rank row is its own stream: 64-column tiles of a rank-64 adapter
- * were 64 concurrent 256-byte streams, which the prefetchers did not follow (measured 2x slower), and on
- * SmolLM2's fleet decode step (29 adapters of ranks 8-32, every projection of 30 layers, weights from DRAM)
- * 1024 columns took 27.5 ms a step against 30.9 at 256 (512-token prefill: 82 against 88 ms); 2048 was no
- * faster. Every projection here but a 7B MLP's is one tile wide: B is read row after row. */
-#define NB 1024  /* output columns per tile: TB x NB fp32 accumulators (16 KB) stay in L1 */
-static inline __attribute__((always_inline)) void expand_unit_rank_major(
-        const float *y, int64_t sy, const void *b, int64_t sbr, int rank, float *out, int64_t so, int64_t len,
-        int64_t ncols, float scale, int kind) {
-    const int line = kind == W_F32 ? 16 : 32;  /* elements per 64-byte line */
-    for (int64_t t0 = 0; t0 < len; t0 += TB) {
-        int nt = (int)min64(TB, len - t0);
-        for (int64_t n0 = 0; n0 < ncols; n0 += NB) {
-            const int w = (int)min64(NB, ncols - n0);  /* tile width; the last tile may be narrower */
-            float acc[TB][NB] __attribute__((aligned(64)));
-            for (int t = 0; t < nt; t++) memset(acc[t], 0, (size_t)w * sizeof(float));
-            int j = 0;
-            for (; j + 4 <= rank; j += 4) {  /* four rank rows per pass: a quarter of the acc traffic */
-                const void *b0 = wat(b, j * sbr + n0, kind), *b1 = wat(b0, sbr, kind), *b2 = wat(b1, sbr, kind),
-                           *b3 = wat(b2, sbr, kind);
-                if (n0 + 2 * NB <= ncols)  /* next tile of these rows: rank streams outrun the hw prefetcher */
-                    for (int i = 0; i < NB; i += line) {
-                        __builtin_prefetch(wat(b0, NB + i, kind)); __builtin_prefetch(wat(b1, NB + i, kind));
-                        __builtin_prefetch(wat(b2, NB + i, kind)); __builtin_prefetch(wat(b3, NB + i, kind));
-                    }
-                for (int t = 0; t < nt; t++) {
-                    const float *yt = y + (t0 + t) * sy + j;
-                    float y0 = yt[0], y1 = yt[1], y2 = yt[2], y3 = yt[3];
-                    float *at = acc[t];
-                    #pragma omp simd
-                    for (int i = 0; i < w; i++)
-                        at[i] += y0 * wload(b0, i, kind) + y1 * wload(b1, i, kind) + y2 * wload(b2, i, kind)
-                                 + y3 * wload(b3, i, kind);
-                }
-            }
-            for (; j < rank; j++) {
-                const void *bj = wat(b, j * sbr + n0, kind);
-                for (int t = 0; t < nt; t++) {
-                    float yv = y[(t0 + t) * sy + j];
-                    float *at = acc[t];
-                    #pragma omp simd
-                    for (int i = 0; i < w; i++) at[i] += yv * wload(bj, i, kind);
-                }
-            }
-            for (int t = 0; t < nt; t++) {
-                float *o = out + (t0 + t) * so + n0;
-                const float *at = acc[t];
-                #pragma omp simd
-                for (int i = 0; i < w; i++) o[i] += scale * at[i];
-            }
-        }
-    }
-}
+#define NB 1024  /* expand: output columns per tile; TB x NB fp32 accumulators (16 KB) stay in L1 */
 
 typedef struct {
     const int32_t *starts, *lens, *slots, *ranks;
     const float *x, *scales;
-    const void *w;  /* the flat weight buffer, elements of the entry point's kind */
+    const void *w;  /* the flat weight buffer: fp32, or bf16 / fp16 (the 16-bit adapter pool) by entry point */
     const int64_t *a_offs, *b_offs;
     float *out, *y;
     int64_t sx, so, sy, d_in, d_out;
 } sgmv_args;
 
-/* One segment: its shrink into y, then its expand into out. */
-static inline __attribute__((always_inline)) void run_segment(const sgmv_args *p, int64_t g, int kind) {
-    const int64_t slot = p->slots[g], start = p->starts[g], len = p->lens[g];
-    const int rank = p->ranks[g];
-    float *y = p->y + start * p->sy;  /* [len, >= rank] scratch rows of this segment */
-    shrink_unit(p->x + start * p->sx, p->sx, wat(p->w, p->a_offs[slot], kind), p->d_in, rank, y, p->sy, len,
-                p->d_in, kind);
-    expand_unit_rank_major(y, p->sy, wat(p->w, p->b_offs[slot], kind), p->d_out, rank, p->out + start * p->so,
-                           p->so, len, p->d_out, p->scales[slot], kind);
+/* The SGMV units, once per weight type (sgmv_units.h): fp32, the model's own; bf16 and fp16, the 16-bit
+ * adapter pool (inference_worker.lora, LORAFLEET_WORKER_ADAPTER_DTYPE), read at half the bytes and widened to
+ * fp32 on the way in. bf16 is fp32's upper half: a shift, which the vectorizer does in registers (vpmovzxwd +
+ * vpslld). fp16's widening GCC 12 leaves scalar on AVX2 (one vcvtph2ps per element: the SmolLM2 fleet ran 30%
+ * slower than fp32 that way), so fp16 runs are widened KC or NB at a time into an L1 scratch with F16C's
+ * 8-wide vcvtph2ps, and the units read the scratch. */
+#define KC 2048  /* shrink: weights of an A row widened at once */
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
+static inline float f16_to_f32(uint16_t h) {  /* exact: normals, subnormals, zeros, inf and NaN */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    float f;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else {  /* zero or subnormal: man x 2^-24, exact in fp32 */
+        f = (float)man * 0x1p-24f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    }
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline const float *f16_row(const uint16_t *p, int64_t n, float *buf) {
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8) _mm256_store_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))));
+#endif
+    for (; i < n; i++) buf[i] = f16_to_f32(p[i]);
+    return buf;
+}
+#define WT float
+#define RT float
+#define ROW(p, n, buf) (p)
+#define LD(v) (v)
+#define SFX(name) name##_f32
+#include "sgmv_units.h"
+#undef WT
+#undef RT
+#undef ROW
+#undef LD
+#undef SFX
+#define WT uint16_t
+#define RT uint16_t
+#define ROW(p, n, buf) (p)
+#define LD(v) bf16_to_f32(v)
+#define SFX(name) name##_bf16
+#include "sgmv_units.h"
+#undef WT
+#undef RT
+#undef ROW
+#undef LD
+#undef SFX
+#define WT uint16_t
+#define RT float
+#define ROW(p, n, buf) f16_row((p), (n), (buf))
+#define LD(v) (v)
+#define SFX(name) name##_f16
+#include "sgmv_units.h"
+#undef WT
+#undef RT
+#undef ROW
+#undef LD
+#undef SFX
 
 /* ---- helper threads -------------------------------------------------------------------------------
  * Where the library is built without OpenMP, the kernels' units run here (parallel_for_team below says why
@@ -276,12 +226,8 @@ static void parallel_for_team(void (*run)(const void *, int64_t), const void *ar
     parallel_for(run, args, G, nthreads);
 }
 
-static void run_segment_f32(const void *args, int64_t g) { run_segment((const sgmv_args *)args, g, W_F32); }
-static void run_segment_bf16(const void *args, int64_t g) { run_segment((const sgmv_args *)args, g, W_BF16); }
-static void run_segment_f16(const void *args, int64_t g) { run_segment((const sgmv_args *)args, g, W_F16); }
-
 /* y: scratch [T, sy] fp32, sy >= every rank. w: the flat weight buffer (fp32, or bf16 / fp16 for the _bf16w /
- * _f16w entry points, x and out fp32 in all three); a_offs, b_offs: int64 [S] element offsets of each slot's
+ * _f16w entry points; x and out fp32 in all three); a_offs, b_offs: int64 [S] element offsets of each slot's
  * A and B^T in it. One unit of work is a whole segment (its shrink then its expand), so units never wait on
  * each other. nthreads <= 1 runs on the calling thread only. */
 #define SGMV_ENTRY(NAME, UNIT)                                                                                \

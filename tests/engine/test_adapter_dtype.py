@@ -1,7 +1,7 @@
 """The 16-bit adapter pool (ModelRunner(adapter_dtype=...), run_worker --adapter-dtype): beside an fp32 model,
-adapters stored in bf16 or fp16 take half the pages and compute what PEFT computes on those stored weights.
+adapters stored in fp16 or bf16 take half the pages and compute what PEFT computes on those stored weights.
 
-PEFT is the oracle: an adapter saved in bf16 / fp16 (the same random weights as the fp32 one, rounded to
+PEFT is the oracle: an adapter saved in fp16 / bf16 (the same random weights as the fp32 one, rounded to
 nearest), loaded onto the fp32 transformers model. An fp32 upload is rounded to nearest as it is placed; a
 16-bit upload is stored exactly, so it answers as from an fp32 pool (to fp32 summation order).
 """
@@ -17,7 +17,7 @@ from protocol.memory import adapter_pages, page_elements
 from tests.engine.test_model_parity import PROMPT, Seq, greedy, hf_greedy, hf_model, load_peft_into
 from tests.support.peft_factory import make_random_peft_adapter
 
-HALF = [torch.bfloat16, torch.float16]
+HALF = [torch.float16, torch.bfloat16]
 
 
 def adapters(base, tmp_path, dtype):
@@ -34,7 +34,7 @@ def logits_of(runner, slot, prompt=PROMPT):
     return out
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
 def test_a_16_bit_pool_answers_what_peft_answers_on_the_stored_weights(tiny_llama, tmp_path, dtype):
     fp32_dir, half_dir = adapters(tiny_llama, tmp_path, dtype)
     theirs = hf_greedy(PeftModel.from_pretrained(hf_model(tiny_llama), str(half_dir)).eval(), PROMPT, 32)
@@ -49,7 +49,7 @@ def test_a_16_bit_pool_answers_what_peft_answers_on_the_stored_weights(tiny_llam
     assert runner.memory_report()["adapter_dtype"] == str(dtype).removeprefix("torch.")
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
 def test_a_16_bit_upload_answers_as_from_an_fp32_pool_in_half_the_pages(tiny_llama, tmp_path, dtype):
     _, half_dir = adapters(tiny_llama, tmp_path, dtype)
     fp32_pool = ModelRunner(tiny_llama, pool_pages=256, max_lora_rank=32)
@@ -84,10 +84,13 @@ def test_a_16_bit_pool_fits_twice_the_adapters():
 def test_adapters_of_another_width_than_the_model_allows_are_refused():
     pool = PagePool(num_layers=1, num_pages=4, page_elems=64, dtype=torch.bfloat16, device="cpu")
     shape = ModelShape(num_layers=1, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
-    with pytest.raises(ValueError, match="bfloat16 / float16 beside a float32 model"):
+    with pytest.raises(ValueError, match="or in bfloat16 / float16 beside a float32 model"):
         LoraPool(pool, shape, max_rank=8, block_size=1, dtype=torch.float32)
     with pytest.raises(ValueError, match="beside a torch.bfloat16 pool"):
         LoraPool(pool, shape, max_rank=8, block_size=1, dtype=torch.float16)
+    fp32 = PagePool(num_layers=1, num_pages=4, page_elems=64, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="torch.float64 beside a torch.float32 pool"):
+        LoraPool(fp32, shape, max_rank=8, block_size=1, dtype=torch.float64)
 
 
 def test_the_worker_setting_names_a_dtype_or_is_refused():
@@ -95,5 +98,6 @@ def test_the_worker_setting_names_a_dtype_or_is_refused():
 
     assert adapter_dtype_of("") is None and adapter_dtype_of(None) is None  # the model's own
     assert adapter_dtype_of("bfloat16") is torch.bfloat16 and adapter_dtype_of("float16") is torch.float16
-    with pytest.raises(ValueError, match="expected one of float32, bfloat16, float16"):
-        adapter_dtype_of("bf16")
+    for name in ("bf16", "float64"):
+        with pytest.raises(ValueError, match="expected one of float32, bfloat16, float16"):
+            adapter_dtype_of(name)

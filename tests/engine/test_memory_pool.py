@@ -177,8 +177,9 @@ def test_capacity_refuses_an_adapter_dtype_no_worker_can_store():
     from adapters.capacity import PRESET_NAMES, CapacityError, plan_pool, preset_manifest
 
     manifest = preset_manifest(PRESET_NAMES[0])
-    with pytest.raises(CapacityError, match="bf16 / fp16 beside an fp32 model"):
-        plan_pool(manifest, budget_bytes=10**11, dtype="bf16", adapter_dtype="fp32")
+    for dtype, adapter_dtype in (("bf16", "fp32"), ("fp32", "fp8")):
+        with pytest.raises(CapacityError, match="or in fp16 / bf16 beside an fp32 model"):
+            plan_pool(manifest, budget_bytes=10**11, dtype=dtype, adapter_dtype=adapter_dtype)
 
 
 def test_a_thousand_adapters_through_a_pool_that_holds_twenty(tiny_llama, tmp_path):

@@ -64,7 +64,7 @@ class Command(BaseCommand):
         pool.add_argument("--prefill-chunk", type=int, default=256, help="run_worker --prefill-chunk (default 256).")
         pool.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="Where the worker runs.")
         pool.add_argument("--adapter-dtype", default=None,
-                          help="run_worker --adapter-dtype: bf16 or fp16 beside an fp32 model halves each adapter's "
+                          help="run_worker --adapter-dtype: fp16 or bf16 beside an fp32 model halves each adapter's "
                                "pages (default: --dtype).")
         pool.add_argument("--max-lora-rank", type=int, default=None,
                           help="The base's max adapter rank (default: the registered base's, else the platform's).")

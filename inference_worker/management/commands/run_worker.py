@@ -55,8 +55,8 @@ class Command(BaseCommand):
                             help="bytes of parsed adapters kept in host memory (LRU), in MB (default 2 GiB); a "
                                  "miss there is a cold load from storage")
         parser.add_argument("--adapter-dtype", choices=worker.ADAPTER_DTYPES, default=settings.LORAFLEET_WORKER_ADAPTER_DTYPE,
-                            help="how resident adapters are stored: the model's dtype (default), or bfloat16 / "
-                                 "float16 beside a float32 (CPU) model: half the pages and half the bytes the LoRA "
+                            help="how resident adapters are stored: the model's dtype (default), or float16 / "
+                                 "bfloat16 beside a float32 (CPU) model: half the pages and half the bytes the LoRA "
                                  "term reads each step; fp32 uploads are then rounded to nearest")
         parser.add_argument("--prefill-chunk", type=int, default=256,
                             help="prompt tokens per engine step (sizes the activation workspace)")

@@ -47,7 +47,8 @@ class Command(BaseCommand):
             if mem:
                 self.stdout.write(
                     f"    pool {mem.get('pages')} pages x {mem.get('page_bytes', 0) / 1e6:.3f} MB: "
-                    f"KV {mem.get('kv_blocks_used')} used, adapters ({mem.get('adapter_dtype')}) {mem.get('adapter_pages')} pages "
+                    f"KV {mem.get('kv_blocks_used')} used, adapters ({mem.get('adapter_dtype')}) "
+                    f"{mem.get('adapter_pages')} pages "
                     f"({mem.get('adapter_bytes_resident', 0) / 1e6:.1f} MB, by rank {mem.get('resident_adapters_by_rank')}), "
                     f"free {mem.get('free_pages')}; evictions {mem.get('evictions')}, loads {mem.get('device_loads')}, "
                     f"admissions that waited for memory {mem.get('admissions_waited_memory')}")

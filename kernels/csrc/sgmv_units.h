@@ -1,0 +1,113 @@
+/* One segment of SGMV, for one weight element type: included by sgmv_cpu.c once per type, with
+ *   WT               the element type of the weight buffer (float; uint16_t for bf16 and for fp16)
+ *   RT, ROW(p, n, b) a run of n weights at p as the units read it: RT *, either p itself (fp32, bf16) or
+ *                    the run widened into the fp32 scratch b (fp16, whose widening GCC does not vectorize)
+ *   LD(v)            an RT element as fp32 (bf16: a 16-bit shift, which the vectorizer does in registers)
+ *   SFX(name)        the name suffixed with the type (name_f32, name_bf16, name_f16)
+ * so each copy is plain typed C that the vectorizer handles like the fp32 original (a kind switch inside
+ * one function left the expand's loops scalar). x, y, out and every sum are fp32 whatever WT is. */
+
+static void SFX(shrink_unit)(const float *x, int64_t sx, const WT *arows, int64_t sar, int nrows, float *y,
+                             int64_t sy, int64_t len, int64_t d_in) {
+    for (int64_t t0 = 0; t0 < len; t0 += TB) {
+        int nt = (int)min64(TB, len - t0);
+        const float *x0 = x + t0 * sx;
+        const float *x1 = x0 + (nt > 1 ? sx : 0);
+        const float *x2 = x0 + (nt > 2 ? 2 * sx : 0);
+        const float *x3 = x0 + (nt > 3 ? 3 * sx : 0);
+        for (int j = 0; j < nrows; j++) {
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+            for (int64_t k0 = 0; k0 < d_in; k0 += KC) {  /* KC weights at a time (what ROW widens at once) */
+                const int64_t kn = min64(KC, d_in - k0);
+                float rowbuf[KC] __attribute__((aligned(64)));
+                const RT *ar = ROW(arows + j * sar + k0, kn, rowbuf);
+                const float *y0 = x0 + k0, *y1 = x1 + k0, *y2 = x2 + k0, *y3 = x3 + k0;
+                (void)rowbuf;
+                if (nt == 1) {
+                    #pragma omp simd reduction(+:s0)
+                    for (int64_t k = 0; k < kn; k++) s0 += LD(ar[k]) * y0[k];
+                } else if (nt == 2) {
+                    #pragma omp simd reduction(+:s0,s1)
+                    for (int64_t k = 0; k < kn; k++) { float a = LD(ar[k]); s0 += a * y0[k]; s1 += a * y1[k]; }
+                } else {
+                    #pragma omp simd reduction(+:s0,s1,s2,s3)
+                    for (int64_t k = 0; k < kn; k++) {
+                        float a = LD(ar[k]);
+                        s0 += a * y0[k]; s1 += a * y1[k]; s2 += a * y2[k]; s3 += a * y3[k];
+                    }
+                }
+            }
+            float s[TB] = {s0, s1, s2, s3};
+            for (int i = 0; i < nt; i++) y[(t0 + i) * sy + j] = s[i];
+        }
+    }
+}
+
+/* B stored rank-major ([r, d_out] rows of B^T): each rank row of B is a contiguous run of output
+ * columns, so the expand is a sum of rank axpys streaming exactly rank x d_out weights (measured against
+ * a column-major B: 0.6 vs 1.6 ms at r = 4, the layout that keeps mixed ranks proportional). Tiles are
+ * wide (4 KB of fp32 per rank row) because each rank row is its own stream: 64-column tiles of a rank-64
+ * adapter were 64 concurrent 256-byte streams, which the prefetchers did not follow (measured 2x slower),
+ * and on SmolLM2's fleet decode step (29 adapters of ranks 8-32, every projection of 30 layers, weights
+ * from DRAM) 1024 columns took 27.5 ms a step against 30.9 at 256 (512-token prefill: 82 against 88 ms);
+ * 2048 was no faster. Every projection here but a 7B MLP's is one tile wide: B is read row after row. */
+static void SFX(expand_unit_rank_major)(const float *y, int64_t sy, const WT *b, int64_t sbr, int rank,
+                                        float *out, int64_t so, int64_t len, int64_t ncols, float scale) {
+    const int line = 64 / (int)sizeof(WT);  /* elements per cache line */
+    for (int64_t t0 = 0; t0 < len; t0 += TB) {
+        int nt = (int)min64(TB, len - t0);
+        for (int64_t n0 = 0; n0 < ncols; n0 += NB) {
+            const int w = (int)min64(NB, ncols - n0);  /* tile width; the last tile may be narrower */
+            float acc[TB][NB] __attribute__((aligned(64)));
+            for (int t = 0; t < nt; t++) memset(acc[t], 0, (size_t)w * sizeof(float));
+            int j = 0;
+            float tile[4][NB] __attribute__((aligned(64)));  /* ROW's scratch (fp16 only; unused otherwise) */
+            (void)tile;
+            for (; j + 4 <= rank; j += 4) {  /* four rank rows per pass: a quarter of the acc traffic */
+                const WT *w0 = b + j * sbr + n0, *w1 = w0 + sbr, *w2 = w1 + sbr, *w3 = w2 + sbr;
+                if (n0 + 2 * NB <= ncols)  /* next tile of these rows: rank streams outrun the hw prefetcher */
+                    for (int i = 0; i < NB; i += line) {
+                        __builtin_prefetch(w0 + NB + i); __builtin_prefetch(w1 + NB + i);
+                        __builtin_prefetch(w2 + NB + i); __builtin_prefetch(w3 + NB + i);
+                    }
+                const RT *b0 = ROW(w0, w, tile[0]), *b1 = ROW(w1, w, tile[1]), *b2 = ROW(w2, w, tile[2]),
+                         *b3 = ROW(w3, w, tile[3]);
+                for (int t = 0; t < nt; t++) {
+                    const float *yt = y + (t0 + t) * sy + j;
+                    float y0 = yt[0], y1 = yt[1], y2 = yt[2], y3 = yt[3];
+                    float *at = acc[t];
+                    #pragma omp simd
+                    for (int i = 0; i < w; i++)
+                        at[i] += y0 * LD(b0[i]) + y1 * LD(b1[i]) + y2 * LD(b2[i]) + y3 * LD(b3[i]);
+                }
+            }
+            for (; j < rank; j++) {
+                const RT *bj = ROW(b + j * sbr + n0, w, tile[0]);
+                for (int t = 0; t < nt; t++) {
+                    float yv = y[(t0 + t) * sy + j];
+                    float *at = acc[t];
+                    #pragma omp simd
+                    for (int i = 0; i < w; i++) at[i] += yv * LD(bj[i]);
+                }
+            }
+            for (int t = 0; t < nt; t++) {
+                float *o = out + (t0 + t) * so + n0;
+                const float *at = acc[t];
+                #pragma omp simd
+                for (int i = 0; i < w; i++) o[i] += scale * at[i];
+            }
+        }
+    }
+}
+
+/* One segment: its shrink into y, then its expand into out. */
+static void SFX(run_segment)(const void *args, int64_t g) {
+    const sgmv_args *p = (const sgmv_args *)args;
+    const WT *w = (const WT *)p->w;
+    const int64_t slot = p->slots[g], start = p->starts[g], len = p->lens[g];
+    const int rank = p->ranks[g];
+    float *y = p->y + start * p->sy;  /* [len, >= rank] scratch rows of this segment */
+    SFX(shrink_unit)(p->x + start * p->sx, p->sx, w + p->a_offs[slot], p->d_in, rank, y, p->sy, len, p->d_in);
+    SFX(expand_unit_rank_major)(y, p->sy, w + p->b_offs[slot], p->d_out, rank, p->out + start * p->so, p->so, len,
+                                p->d_out, p->scales[slot]);
+}
