@@ -101,13 +101,13 @@ def batch_slots(tokens: int, adapters: int) -> list[int]:
     return [t * adapters // tokens if adapters <= tokens else t for t in range(tokens)]
 
 
-def lora_bytes(slots: list[int], tables: dict[str, LoraTable]) -> int:
+def lora_bytes(slots: list[int], tables: dict[str, LoraTable], weight_bytes: int = 4) -> int:
     """A and B of the distinct adapters at their real rank, x read and out read and written, for the
     tokens that have weights in each projection."""
     total = 0
     for name, (d_in, d_out) in PROJECTIONS.items():
         ranks = tables[name].rank_list
-        total += sum(ranks[s] * (d_in + d_out) * 4 for s in set(slots))
+        total += sum(ranks[s] * (d_in + d_out) * weight_bytes for s in set(slots))
         total += sum(1 for s in slots if ranks[s] > 0) * (d_in + 2 * d_out) * 4
     return total
 
@@ -147,11 +147,40 @@ def base_gemm_seconds(tokens: int, weights: dict, repeats: int) -> float:
     return timeit(run, repeats)
 
 
+def weight_dtypes(repeats: int) -> None:
+    """The 16-bit adapter pool against fp32 storage: the same pooled layer (7B shapes, r = 16) with its buffer in
+    fp32, fp16 and bf16, each cell's three calls alternating, caches flushed; x and out are fp32 in all three."""
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (512 MB tensor copy, read + write)")
+    buffer, tables = make_layer([RANK] * SLOTS)
+    buffers = {"fp32": buffer, "fp16": buffer.to(torch.float16), "bf16": buffer.to(torch.bfloat16)}
+    print("| tokens | adapters | fp32 ms | fp16 ms | bf16 ms | fp16 / bf16 speed-up | fp32 / fp16 / bf16 GB/s |")
+    print("|---:|---:|---:|---:|---:|---|---|")
+    for tokens, adapters in ((64, 32), (64, 8), (16, 16), (1, 1)):
+        slots = batch_slots(tokens, adapters)
+        cells = {k: Cell((b, tables), tokens, slots) for k, b in buffers.items()}
+        best = dict.fromkeys(cells, float("inf"))
+        for _ in range(repeats):
+            for k, cell in cells.items():
+                best[k] = min(best[k], timeit(cell.ours, 1))
+        rate = {k: lora_bytes(slots, tables, buffers[k].element_size()) / best[k] / 1e9 for k in cells}
+        print(f"| {tokens} | {adapters} | {best['fp32'] * 1e3:.2f} | {best['fp16'] * 1e3:.2f} | {best['bf16'] * 1e3:.2f} "
+              f"| {best['fp32'] / best['fp16']:.2f}x / {best['fp32'] / best['bf16']:.2f}x | {rate['fp32']:.1f} / "
+              f"{rate['fp16']:.1f} / {rate['bf16']:.1f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--weight-dtypes", action="store_true",
+                        help="only the 16-bit adapter pool: one layer's LoRA term with weights in fp32, fp16, bf16")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.weight_dtypes:
+        print(f"# {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+              f"{time.strftime('%Y-%m-%d')}, load average {os.getloadavg()[0]:.1f}")
+        weight_dtypes(args.repeats)
+        return
 
     print(f"# {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{time.strftime('%Y-%m-%d')}, load average {os.getloadavg()[0]:.1f}")

@@ -15,7 +15,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -38,8 +38,8 @@ typedef struct {
  * adapter pool (inference_worker.lora, LORAFLEET_WORKER_ADAPTER_DTYPE), read at half the bytes and widened to
  * fp32 on the way in. bf16 is fp32's upper half: a shift, which the vectorizer does in registers (vpmovzxwd +
  * vpslld). fp16's widening GCC 12 leaves scalar on AVX2 (one vcvtph2ps per element: the SmolLM2 fleet ran 30%
- * slower than fp32 that way), so fp16 runs are widened KC or NB at a time into an L1 scratch with F16C's
- * 8-wide vcvtph2ps, and the units read the scratch. */
+ * slower than fp32 that way), so with F16C the fp16 units' weight loops are written 8 at a time with its
+ * vcvtph2ps (VEC8); without it, each run is widened into an L1 scratch first (f16_row). */
 #define KC 2048  /* shrink: weights of an A row widened at once */
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -90,10 +90,23 @@ static inline const float *f16_row(const uint16_t *p, int64_t n, float *buf) {
 #undef ROW
 #undef LD
 #undef SFX
+#if defined(__F16C__) && defined(__FMA__)
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define WT uint16_t
+#define RT uint16_t
+#define ROW(p, n, buf) (p)
+#define LD(v) f16_to_f32(v)
+#define VEC8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#else  /* no F16C: each run widened into the scratch, scalar */
 #define WT uint16_t
 #define RT float
 #define ROW(p, n, buf) f16_row((p), (n), (buf))
 #define LD(v) (v)
+#endif
 #define SFX(name) name##_f16
 #include "sgmv_units.h"
 #undef WT
@@ -101,6 +114,7 @@ static inline const float *f16_row(const uint16_t *p, int64_t n, float *buf) {
 #undef ROW
 #undef LD
 #undef SFX
+#undef VEC8
 
 /* ---- helper threads -------------------------------------------------------------------------------
  * Where the library is built without OpenMP, the kernels' units run here (parallel_for_team below says why

@@ -4,6 +4,8 @@
  *                    the run widened into the fp32 scratch b (fp16, whose widening GCC does not vectorize)
  *   LD(v)            an RT element as fp32 (bf16: a 16-bit shift, which the vectorizer does in registers)
  *   SFX(name)        the name suffixed with the type (name_f32, name_bf16, name_f16)
+ *   VEC8(p)          optional: 8 weights at p widened into an __m256, for a type the vectorizer cannot widen
+ *                    (fp16 with F16C); the loops over weights are then written with it, 8 at a time
  * so each copy is plain typed C that the vectorizer handles like the fp32 original (a kind switch inside
  * one function left the expand's loops scalar). x, y, out and every sum are fp32 whatever WT is. */
 
@@ -23,6 +25,23 @@ static void SFX(shrink_unit)(const float *x, int64_t sx, const WT *arows, int64_
                 const RT *ar = ROW(arows + j * sar + k0, kn, rowbuf);
                 const float *y0 = x0 + k0, *y1 = x1 + k0, *y2 = x2 + k0, *y3 = x3 + k0;
                 (void)rowbuf;
+#ifdef VEC8
+                __m256 v0 = _mm256_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;
+                int64_t k = 0;
+                for (; k + 8 <= kn; k += 8) {
+                    const __m256 a = VEC8(ar + k);
+                    v0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(y0 + k), v0);
+                    if (nt > 1) v1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(y1 + k), v1);
+                    if (nt > 2) v2 = _mm256_fmadd_ps(a, _mm256_loadu_ps(y2 + k), v2);
+                    if (nt > 3) v3 = _mm256_fmadd_ps(a, _mm256_loadu_ps(y3 + k), v3);
+                }
+                s0 += hsum8(v0); s1 += hsum8(v1); s2 += hsum8(v2); s3 += hsum8(v3);
+                for (; k < kn; k++) {
+                    const float a = LD(ar[k]);
+                    s0 += a * y0[k]; s1 += a * y1[k]; s2 += a * y2[k]; s3 += a * y3[k];
+                }
+                continue;
+#endif
                 if (nt == 1) {
                     #pragma omp simd reduction(+:s0)
                     for (int64_t k = 0; k < kn; k++) s0 += LD(ar[k]) * y0[k];
@@ -76,6 +95,21 @@ static void SFX(expand_unit_rank_major)(const float *y, int64_t sy, const WT *b,
                     const float *yt = y + (t0 + t) * sy + j;
                     float y0 = yt[0], y1 = yt[1], y2 = yt[2], y3 = yt[3];
                     float *at = acc[t];
+#ifdef VEC8
+                    const __m256 c0 = _mm256_set1_ps(y0), c1 = _mm256_set1_ps(y1), c2 = _mm256_set1_ps(y2),
+                                 c3 = _mm256_set1_ps(y3);
+                    int i = 0;
+                    for (; i + 8 <= w; i += 8) {
+                        __m256 v = _mm256_load_ps(at + i);
+                        v = _mm256_fmadd_ps(c0, VEC8(w0 + i), v);
+                        v = _mm256_fmadd_ps(c1, VEC8(w1 + i), v);
+                        v = _mm256_fmadd_ps(c2, VEC8(w2 + i), v);
+                        v = _mm256_fmadd_ps(c3, VEC8(w3 + i), v);
+                        _mm256_store_ps(at + i, v);
+                    }
+                    for (; i < w; i++) at[i] += y0 * LD(w0[i]) + y1 * LD(w1[i]) + y2 * LD(w2[i]) + y3 * LD(w3[i]);
+                    continue;
+#endif
                     #pragma omp simd
                     for (int i = 0; i < w; i++)
                         at[i] += y0 * LD(b0[i]) + y1 * LD(b1[i]) + y2 * LD(b2[i]) + y3 * LD(b3[i]);
@@ -86,6 +120,14 @@ static void SFX(expand_unit_rank_major)(const float *y, int64_t sy, const WT *b,
                 for (int t = 0; t < nt; t++) {
                     float yv = y[(t0 + t) * sy + j];
                     float *at = acc[t];
+#ifdef VEC8
+                    const WT *wj = b + j * sbr + n0;
+                    const __m256 c = _mm256_set1_ps(yv);
+                    int i = 0;
+                    for (; i + 8 <= w; i += 8) _mm256_store_ps(at + i, _mm256_fmadd_ps(c, VEC8(wj + i), _mm256_load_ps(at + i)));
+                    for (; i < w; i++) at[i] += yv * LD(wj[i]);
+                    continue;
+#endif
                     #pragma omp simd
                     for (int i = 0; i < w; i++) at[i] += yv * LD(bj[i]);
                 }
