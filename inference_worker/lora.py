@@ -65,7 +65,7 @@ class LoraPool:
         self.device = pool.device
         self.projections = shape.projections()  # proj -> (d_in, d_out)
         # The adapters' element type: the pool's (the model's), or 16-bit beside an fp32 pool, two adapter elements
-        # in each pool element (LORAFLEET_ADAPTER_DTYPE: half the pages, half the bytes a decode step reads).
+        # in each pool element (run_worker --adapter-dtype: half the pages, half the bytes a decode step reads).
         self.dtype = dtype or pool.dtype
         if self.dtype != pool.dtype and not (pool.dtype == torch.float32 and self.dtype in HALF_DTYPES):
             raise ValueError(f"adapters in {self.dtype} beside a {pool.dtype} pool: adapters are stored in the model's "

@@ -89,45 +89,65 @@ static void SFX(expand_unit_rank_major)(const float *y, int64_t sy, const WT *b,
                         __builtin_prefetch(w0 + NB + i); __builtin_prefetch(w1 + NB + i);
                         __builtin_prefetch(w2 + NB + i); __builtin_prefetch(w3 + NB + i);
                     }
+#ifdef VEC8
+                {  /* each 8 weights of the four rows widened once, then used by every token of the block */
+                    const float *yb = y + t0 * sy + j;
+                    int i = 0;
+                    for (; i + 8 <= w; i += 8) {
+                        const __m256 q0 = VEC8(w0 + i), q1 = VEC8(w1 + i), q2 = VEC8(w2 + i), q3 = VEC8(w3 + i);
+                        for (int t = 0; t < nt; t++) {
+                            const float *yt = yb + t * sy;
+                            __m256 v = _mm256_load_ps(acc[t] + i);
+                            v = _mm256_fmadd_ps(_mm256_broadcast_ss(yt), q0, v);
+                            v = _mm256_fmadd_ps(_mm256_broadcast_ss(yt + 1), q1, v);
+                            v = _mm256_fmadd_ps(_mm256_broadcast_ss(yt + 2), q2, v);
+                            v = _mm256_fmadd_ps(_mm256_broadcast_ss(yt + 3), q3, v);
+                            _mm256_store_ps(acc[t] + i, v);
+                        }
+                    }
+                    for (; i < w; i++) {
+                        const float a0 = LD(w0[i]), a1 = LD(w1[i]), a2 = LD(w2[i]), a3 = LD(w3[i]);
+                        for (int t = 0; t < nt; t++) {
+                            const float *yt = yb + t * sy;
+                            acc[t][i] += yt[0] * a0 + yt[1] * a1 + yt[2] * a2 + yt[3] * a3;
+                        }
+                    }
+                    continue;
+                }
+#endif
                 const RT *b0 = ROW(w0, w, tile[0]), *b1 = ROW(w1, w, tile[1]), *b2 = ROW(w2, w, tile[2]),
                          *b3 = ROW(w3, w, tile[3]);
                 for (int t = 0; t < nt; t++) {
                     const float *yt = y + (t0 + t) * sy + j;
                     float y0 = yt[0], y1 = yt[1], y2 = yt[2], y3 = yt[3];
                     float *at = acc[t];
-#ifdef VEC8
-                    const __m256 c0 = _mm256_set1_ps(y0), c1 = _mm256_set1_ps(y1), c2 = _mm256_set1_ps(y2),
-                                 c3 = _mm256_set1_ps(y3);
-                    int i = 0;
-                    for (; i + 8 <= w; i += 8) {
-                        __m256 v = _mm256_load_ps(at + i);
-                        v = _mm256_fmadd_ps(c0, VEC8(w0 + i), v);
-                        v = _mm256_fmadd_ps(c1, VEC8(w1 + i), v);
-                        v = _mm256_fmadd_ps(c2, VEC8(w2 + i), v);
-                        v = _mm256_fmadd_ps(c3, VEC8(w3 + i), v);
-                        _mm256_store_ps(at + i, v);
-                    }
-                    for (; i < w; i++) at[i] += y0 * LD(w0[i]) + y1 * LD(w1[i]) + y2 * LD(w2[i]) + y3 * LD(w3[i]);
-                    continue;
-#endif
                     #pragma omp simd
                     for (int i = 0; i < w; i++)
                         at[i] += y0 * LD(b0[i]) + y1 * LD(b1[i]) + y2 * LD(b2[i]) + y3 * LD(b3[i]);
                 }
             }
             for (; j < rank; j++) {
+#ifdef VEC8
+                {  /* as above, one rank row */
+                    const WT *wj = b + j * sbr + n0;
+                    int i = 0;
+                    for (; i + 8 <= w; i += 8) {
+                        const __m256 q = VEC8(wj + i);
+                        for (int t = 0; t < nt; t++)
+                            _mm256_store_ps(acc[t] + i, _mm256_fmadd_ps(_mm256_broadcast_ss(y + (t0 + t) * sy + j), q,
+                                                                        _mm256_load_ps(acc[t] + i)));
+                    }
+                    for (; i < w; i++) {
+                        const float a = LD(wj[i]);
+                        for (int t = 0; t < nt; t++) acc[t][i] += y[(t0 + t) * sy + j] * a;
+                    }
+                    continue;
+                }
+#endif
                 const RT *bj = ROW(b + j * sbr + n0, w, tile[0]);
                 for (int t = 0; t < nt; t++) {
                     float yv = y[(t0 + t) * sy + j];
                     float *at = acc[t];
-#ifdef VEC8
-                    const WT *wj = b + j * sbr + n0;
-                    const __m256 c = _mm256_set1_ps(yv);
-                    int i = 0;
-                    for (; i + 8 <= w; i += 8) _mm256_store_ps(at + i, _mm256_fmadd_ps(c, VEC8(wj + i), _mm256_load_ps(at + i)));
-                    for (; i < w; i++) at[i] += yv * LD(wj[i]);
-                    continue;
-#endif
                     #pragma omp simd
                     for (int i = 0; i < w; i++) at[i] += yv * LD(bj[i]);
                 }
