@@ -97,18 +97,20 @@ def plot_engine(text: str) -> Path | None:
         systems = [row["system"] for row in mine]
         xs = range(len(mine))
         for i, (key, label) in enumerate((("base-only tok/s", "base-only"), ("fleet tok/s", "fleet (Zipf, 100 adapters)"))):
-            bars = ax.bar([x + (i - 0.5) * 0.38 for x in xs], [number(row[key]) for row in mine], 0.38, label=label)
-            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+            values = [number(row[key]) for row in mine]  # NaN where a system has no such pass ("–")
+            bars = ax.bar([x + (i - 0.5) * 0.38 for x in xs], values, 0.38, label=label)
+            ax.bar_label(bars, labels=[f"{v:.0f}" if v == v else "" for v in values], fontsize=7)
         if workload in limit:
             ax.axhline(limit[workload], color="grey", linestyle="--", linewidth=1)
             ax.text(len(mine) - 0.5, limit[workload], f"fp32 GEMM limit {limit[workload]:.0f}", color="grey",
                     ha="right", va="bottom", fontsize=8)
         ax.set_xticks(list(xs), systems)
         ax.set(ylabel="generated tok/s (best of the alternating passes)", title=workload)
-        top = max([limit.get(workload, 0.0)] + [number(row[k]) for row in mine for k in ("base-only tok/s", "fleet tok/s")])
+        top = max([limit.get(workload, 0.0)] + [v for row in mine for k in ("base-only tok/s", "fleet tok/s")
+                                                 if (v := number(row[k])) == v])
         ax.set_ylim(0, top * 1.3)
         ax.legend(fontsize=8, loc="upper left", ncol=2)
-    fig.suptitle("64 concurrent requests, 64 new tokens, one run side by side (bench/peers.py; 2 CPUs, quiet host, fp32)",
+    fig.suptitle("64 concurrent requests, 64 new tokens, one run side by side (bench/peers.py; 2 CPUs, fp32 model)",
                  fontsize=10)
     fig.tight_layout()
     out = DOCS / "engine_throughput.png"
