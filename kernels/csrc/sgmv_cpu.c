@@ -83,11 +83,6 @@ static inline float hsum8(__m256 v) {
 #define LD(v) (v)
 #define SFX(name) name##_f32
 #include "sgmv_units.h"
-#undef WT
-#undef RT
-#undef ROW
-#undef LD
-#undef SFX
 #define WT uint16_t
 #define RT uint16_t
 #define ROW(p, n, buf) (p)
@@ -97,12 +92,6 @@ static inline float hsum8(__m256 v) {
 #endif
 #define SFX(name) name##_bf16
 #include "sgmv_units.h"
-#undef WT
-#undef RT
-#undef ROW
-#undef LD
-#undef SFX
-#undef VEC8
 #if defined(__F16C__) && defined(__FMA__)
 #define WT uint16_t
 #define RT uint16_t
@@ -117,12 +106,6 @@ static inline float hsum8(__m256 v) {
 #endif
 #define SFX(name) name##_f16
 #include "sgmv_units.h"
-#undef WT
-#undef RT
-#undef ROW
-#undef LD
-#undef SFX
-#undef VEC8
 
 /* ---- helper threads -------------------------------------------------------------------------------
  * Where the library is built without OpenMP, the kernels' units run here (parallel_for_team below says why

@@ -7,7 +7,8 @@
  *   VEC8(p)          optional: 8 weights at p widened into an __m256, for a type the vectorizer cannot widen
  *                    (fp16 with F16C); the loops over weights are then written with it, 8 at a time
  * so each copy is plain typed C that the vectorizer handles like the fp32 original (a kind switch inside
- * one function left the expand's loops scalar). x, y, out and every sum are fp32 whatever WT is. */
+ * one function left the expand's loops scalar). x, y, out and every sum are fp32 whatever WT is. The
+ * header undefines its parameters at the end, ready for the next type. */
 
 static void SFX(shrink_unit)(const float *x, int64_t sx, const WT *arows, int64_t sar, int nrows, float *y,
                              int64_t sy, int64_t len, int64_t d_in) {
@@ -173,3 +174,10 @@ static void SFX(run_segment)(const void *args, int64_t g) {
     SFX(expand_unit_rank_major)(y, p->sy, w + p->b_offs[slot], p->d_out, rank, p->out + start * p->so, p->so, len,
                                 p->d_out, p->scales[slot]);
 }
+
+#undef WT
+#undef RT
+#undef ROW
+#undef LD
+#undef SFX
+#undef VEC8
