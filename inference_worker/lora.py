@@ -19,14 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import LoraMapping, LoraTable, add_lora
+from kernels import HALF_WEIGHTS, LoraMapping, LoraTable, add_lora
 from protocol.lora_layout import TARGET_MODULES, ModelShape, parse_peft_name
 from protocol.memory import adapter_layout, adapter_pages
 
 from .memory_pool import PagePool
 
 TARGETS = TARGET_MODULES
-HALF_DTYPES = (torch.bfloat16, torch.float16)  # the 16-bit adapter pool's choices beside an fp32 model
 
 def parse_peft_key(name: str) -> tuple[int, str, str]:
     """'base_model.model.model.layers.3.mlp.up_proj.lora_B.weight' -> (3, 'up_proj', 'B'); in-memory PEFT
@@ -67,7 +66,7 @@ class LoraPool:
         # The adapters' element type: the pool's (the model's), or 16-bit beside an fp32 pool, two adapter elements
         # in each pool element (run_worker --adapter-dtype: half the pages, half the bytes a decode step reads).
         self.dtype = dtype or pool.dtype
-        if self.dtype != pool.dtype and not (pool.dtype == torch.float32 and self.dtype in HALF_DTYPES):
+        if self.dtype != pool.dtype and not (pool.dtype == torch.float32 and self.dtype in HALF_WEIGHTS):
             raise ValueError(f"adapters in {self.dtype} beside a {pool.dtype} pool: adapters are stored in the model's "
                              f"dtype, or in bfloat16 / float16 beside a float32 model")
         self.packing = pool.dtype.itemsize // self.dtype.itemsize  # adapter elements per pool element

@@ -10,7 +10,7 @@ project. (Hugging Face publishes an unrelated PyPI package also named `kernels`;
 from .cpu_native import paged_decode_attention, rms_norm, rope_kv_write
 from .dispatch import add_lora, lora_expand, lora_shrink
 from .mapping import LoraMapping
-from .table import LoraTable
+from .table import HALF_WEIGHTS, LoraTable
 
-__all__ = ["LoraMapping", "LoraTable", "add_lora", "lora_expand", "lora_shrink", "paged_decode_attention", "rms_norm",
-           "rope_kv_write"]
+__all__ = ["HALF_WEIGHTS", "LoraMapping", "LoraTable", "add_lora", "lora_expand", "lora_shrink", "paged_decode_attention",
+           "rms_norm", "rope_kv_write"]

@@ -43,9 +43,8 @@ def add_lora_cpu(
     plan: SegmentPlan,  # mapping.plan(table), not empty
     slot_scales: torch.Tensor,  # float32 [S]
 ) -> torch.Tensor:
-    lib = cpu_native.load() if _native_ok(out, x, buffer, slot_scales) else None
-    entry = _ENTRY.get(buffer.dtype) if lib is not None else None
-    if entry is None:
+    sgmv = cpu_native.sgmv_for(buffer.dtype) if _native_ok(out, x, buffer, slot_scales) else None
+    if sgmv is None:
         return _add_lora_torch(out, x, buffer, table, plan.segments, slot_scales)
     cpu_plan = plan.cpu_plan(LONG_SEGMENT)
     if cpu_plan.num_short:
@@ -54,7 +53,7 @@ def add_lora_cpu(
         threads = torch.get_num_threads() if weight_bytes >= PARALLEL_BYTES else 1
         starts, lens, slots, ranks = cpu_plan.short_ptrs
         a_offs, b_offs = table.host_offset_ptrs
-        getattr(lib, entry)(
+        sgmv(
             cpu_plan.num_short, starts, lens, slots, ranks,
             x.data_ptr(), x.stride(0),
             buffer.data_ptr(), a_offs, b_offs,
@@ -66,11 +65,6 @@ def add_lora_cpu(
     if cpu_plan.long_segments:
         _add_lora_torch(out, x, buffer, table, cpu_plan.long_segments, slot_scales)
     return out
-
-
-# the native entry point for each weight dtype, x and out fp32 for all three (the 16-bit adapter pool's weights are
-# widened on the way in: csrc/sgmv_cpu.c)
-_ENTRY = {torch.float32: "sgmv_add_f32", torch.bfloat16: "sgmv_add_f32_bf16w", torch.float16: "sgmv_add_f32_f16w"}
 
 
 def _native_ok(out, x, buffer, slot_scales) -> bool:

@@ -29,6 +29,7 @@ _OPENMP_FLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_sgmv: dict = {}  # torch dtype of the weight buffer -> the library's SGMV entry point for it
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = (
@@ -112,7 +113,7 @@ def load() -> ctypes.CDLL | None:
         _tried = True
         if os.environ.get("LORAFLEET_KERNELS_NATIVE", "1") == "0":
             return None
-        import torch  # noqa: F401  (first: the library's libgomp.so.1 is then torch's, already loaded)
+        import torch  # first: the library's libgomp.so.1 is then torch's, already loaded
 
         source = _SOURCE.read_bytes() + b"".join(h.read_bytes() for h in _HEADERS)
         key = hashlib.sha256(source + " ".join(_FLAGS + _OPENMP_FLAGS).encode()
@@ -124,7 +125,10 @@ def load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(target))
         except (OSError, RuntimeError, subprocess.SubprocessError):
             return None
-        for fn in (lib.sgmv_add_f32, lib.sgmv_add_f32_bf16w, lib.sgmv_add_f32_f16w):
+        # SGMV per weight dtype, x and out fp32 in all three (csrc/sgmv_cpu.c)
+        _sgmv.update({torch.float32: lib.sgmv_add_f32, torch.bfloat16: lib.sgmv_add_f32_bf16w,
+                      torch.float16: lib.sgmv_add_f32_f16w})
+        for fn in _sgmv.values():
             fn.argtypes = _ARGTYPES
             fn.restype = None
         lib.paged_decode_attention_f32.argtypes = _ATTN_ARGTYPES
@@ -135,6 +139,12 @@ def load() -> ctypes.CDLL | None:
         lib.rope_kv_write_f32.restype = ctypes.c_int
         _lib = lib
     return _lib
+
+
+def sgmv_for(weight_dtype):
+    """The native SGMV entry point for a weight buffer of `weight_dtype` (fp32, bf16, fp16; x and out fp32), or
+    None when the library cannot be built or has none for that dtype."""
+    return _sgmv.get(weight_dtype) if load() is not None else None
 
 
 def paged_decode_attention(q, pages, blocks, lens, *, kv_heads: int, window: int | None, scale: float, threads: int):

@@ -21,10 +21,9 @@ import torch
 
 from . import cpu
 from .mapping import LoraMapping, SegmentPlan
-from .table import LoraTable
+from .table import HALF_WEIGHTS, LoraTable
 
 _BACKENDS = ("auto", "triton", "cpu", "reference")
-_HALF = (torch.bfloat16, torch.float16)  # 16-bit weights an fp32 x may be given (a 16-bit adapter pool)
 
 
 _DEFAULT_BACKEND = os.environ.get("LORAFLEET_KERNELS_BACKEND", "auto")  # read once: this runs per projection
@@ -53,7 +52,7 @@ def _plan(buffer: torch.Tensor, table: LoraTable, mapping: LoraMapping) -> Segme
 def _check_x(x: torch.Tensor, buffer: torch.Tensor, table: LoraTable, mapping: LoraMapping) -> None:
     if x.dim() != 2 or x.shape != (mapping.num_tokens, table.d_in):
         raise ValueError(f"x must be [T={mapping.num_tokens}, d_in={table.d_in}], got {tuple(x.shape)}")
-    if buffer.dtype != x.dtype and not (x.dtype == torch.float32 and buffer.dtype in _HALF):
+    if buffer.dtype != x.dtype and not (x.dtype == torch.float32 and buffer.dtype in HALF_WEIGHTS):
         raise ValueError(f"buffer dtype {buffer.dtype} does not go with x's {x.dtype}: the weights share x's dtype, "
                          f"or are bf16 / fp16 beside fp32 activations")
 

@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The 16-bit weight dtypes a buffer may have beside fp32 activations (the worker's 16-bit adapter pool); otherwise
+# a buffer has its activations' dtype. Every backend widens them to fp32 as it reads them.
+HALF_WEIGHTS = (torch.bfloat16, torch.float16)
+
 
 @dataclass(frozen=True, eq=False)
 class LoraTable:

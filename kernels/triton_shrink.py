@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .mapping import LoraMapping, SegmentPlan
-from .table import LoraTable
+from .table import HALF_WEIGHTS, LoraTable
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def triton_shrink(
     y: torch.Tensor,  # [T, >= table.max_rank] fp32, zeroed by the caller
 ) -> torch.Tensor:
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
-    assert buffer.dtype == x.dtype or (x.dtype == torch.float32 and buffer.dtype in (torch.float16, torch.bfloat16)), \
+    assert buffer.dtype == x.dtype or (x.dtype == torch.float32 and buffer.dtype in HALF_WEIGHTS), \
         "the weight buffer shares x's dtype, or is 16-bit beside an fp32 x"
     assert buffer.dim() == 1 and buffer.is_contiguous(), "the weight buffer is flat"
     assert y.dtype == torch.float32 and y.stride(1) == 1 and y.shape[1] >= plan.max_rank

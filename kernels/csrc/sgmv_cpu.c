@@ -41,8 +41,7 @@ typedef struct {
  * token of a block. So both 16-bit types have their weight loops written 8 at a time (VEC8: F16C's
  * vcvtph2ps, or AVX2's zero-extend and shift), and the expand widens each 8 weights once for the block's
  * tokens (on a 256-token prefill bf16 went from 0.93x fp32's speed to 1.09x). Without F16C, fp16
- * runs are widened into an L1 scratch first (f16_row). */
-#define KC 2048  /* shrink: weights of an A row widened at once */
+ * weights are widened one at a time (f16_to_f32): correct, slow. */
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
     float f;
@@ -62,14 +61,6 @@ static inline float f16_to_f32(uint16_t h) {  /* exact: normals, subnormals, zer
     memcpy(&f, &u, sizeof f);
     return f;
 }
-static inline const float *f16_row(const uint16_t *p, int64_t n, float *buf) {
-    int64_t i = 0;
-#ifdef __F16C__
-    for (; i + 8 <= n; i += 8) _mm256_store_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))));
-#endif
-    for (; i < n; i++) buf[i] = f16_to_f32(p[i]);
-    return buf;
-}
 #if defined(__AVX__)
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -78,31 +69,20 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 #define WT float
-#define RT float
-#define ROW(p, n, buf) (p)
 #define LD(v) (v)
 #define SFX(name) name##_f32
 #include "sgmv_units.h"
 #define WT uint16_t
-#define RT uint16_t
-#define ROW(p, n, buf) (p)
 #define LD(v) bf16_to_f32(v)
 #if defined(__AVX2__) && defined(__FMA__)
 #define VEC8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 #define SFX(name) name##_bf16
 #include "sgmv_units.h"
-#if defined(__F16C__) && defined(__FMA__)
 #define WT uint16_t
-#define RT uint16_t
-#define ROW(p, n, buf) (p)
 #define LD(v) f16_to_f32(v)
+#if defined(__F16C__) && defined(__FMA__)
 #define VEC8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#else  /* no F16C: each run widened into the scratch, scalar */
-#define WT uint16_t
-#define RT float
-#define ROW(p, n, buf) f16_row((p), (n), (buf))
-#define LD(v) (v)
 #endif
 #define SFX(name) name##_f16
 #include "sgmv_units.h"

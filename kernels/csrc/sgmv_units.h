@@ -1,11 +1,9 @@
 /* One segment of SGMV, for one weight element type: included by sgmv_cpu.c once per type, with
  *   WT               the element type of the weight buffer (float; uint16_t for bf16 and for fp16)
- *   RT, ROW(p, n, b) a run of n weights at p as the units read it: RT *, either p itself (fp32, bf16) or
- *                    the run widened into the fp32 scratch b (fp16, whose widening GCC does not vectorize)
- *   LD(v)            an RT element as fp32 (bf16: a 16-bit shift, which the vectorizer does in registers)
+ *   LD(v)            one weight as fp32
  *   SFX(name)        the name suffixed with the type (name_f32, name_bf16, name_f16)
- *   VEC8(p)          optional: 8 weights at p widened into an __m256, for a type the vectorizer cannot widen
- *                    (fp16 with F16C); the loops over weights are then written with it, 8 at a time
+ *   VEC8(p)          optional: 8 weights at p widened into an __m256 (bf16 with AVX2, fp16 with F16C); the
+ *                    loops over weights are then written with it, 8 at a time, each 8 widened once a block
  * so each copy is plain typed C that the vectorizer handles like the fp32 original (a kind switch inside
  * one function left the expand's loops scalar). x, y, out and every sum are fp32 whatever WT is. The
  * header undefines its parameters at the end, ready for the next type. */
@@ -19,44 +17,38 @@ static void SFX(shrink_unit)(const float *x, int64_t sx, const WT *arows, int64_
         const float *x2 = x0 + (nt > 2 ? 2 * sx : 0);
         const float *x3 = x0 + (nt > 3 ? 3 * sx : 0);
         for (int j = 0; j < nrows; j++) {
+            const WT *ar = arows + j * sar;
             float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-            for (int64_t k0 = 0; k0 < d_in; k0 += KC) {  /* KC weights at a time (what ROW widens at once) */
-                const int64_t kn = min64(KC, d_in - k0);
-                float rowbuf[KC] __attribute__((aligned(64)));
-                const RT *ar = ROW(arows + j * sar + k0, kn, rowbuf);
-                const float *y0 = x0 + k0, *y1 = x1 + k0, *y2 = x2 + k0, *y3 = x3 + k0;
-                (void)rowbuf;
 #ifdef VEC8
-                __m256 v0 = _mm256_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;
-                int64_t k = 0;
-                for (; k + 8 <= kn; k += 8) {
-                    const __m256 a = VEC8(ar + k);
-                    v0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(y0 + k), v0);
-                    if (nt > 1) v1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(y1 + k), v1);
-                    if (nt > 2) v2 = _mm256_fmadd_ps(a, _mm256_loadu_ps(y2 + k), v2);
-                    if (nt > 3) v3 = _mm256_fmadd_ps(a, _mm256_loadu_ps(y3 + k), v3);
-                }
-                s0 += hsum8(v0); s1 += hsum8(v1); s2 += hsum8(v2); s3 += hsum8(v3);
-                for (; k < kn; k++) {
-                    const float a = LD(ar[k]);
-                    s0 += a * y0[k]; s1 += a * y1[k]; s2 += a * y2[k]; s3 += a * y3[k];
-                }
-                continue;
-#endif
-                if (nt == 1) {
-                    #pragma omp simd reduction(+:s0)
-                    for (int64_t k = 0; k < kn; k++) s0 += LD(ar[k]) * y0[k];
-                } else if (nt == 2) {
-                    #pragma omp simd reduction(+:s0,s1)
-                    for (int64_t k = 0; k < kn; k++) { float a = LD(ar[k]); s0 += a * y0[k]; s1 += a * y1[k]; }
-                } else {
-                    #pragma omp simd reduction(+:s0,s1,s2,s3)
-                    for (int64_t k = 0; k < kn; k++) {
-                        float a = LD(ar[k]);
-                        s0 += a * y0[k]; s1 += a * y1[k]; s2 += a * y2[k]; s3 += a * y3[k];
-                    }
+            __m256 v0 = _mm256_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;
+            int64_t k = 0;
+            for (; k + 8 <= d_in; k += 8) {
+                const __m256 a = VEC8(ar + k);
+                v0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(x0 + k), v0);
+                if (nt > 1) v1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(x1 + k), v1);
+                if (nt > 2) v2 = _mm256_fmadd_ps(a, _mm256_loadu_ps(x2 + k), v2);
+                if (nt > 3) v3 = _mm256_fmadd_ps(a, _mm256_loadu_ps(x3 + k), v3);
+            }
+            s0 = hsum8(v0); s1 = hsum8(v1); s2 = hsum8(v2); s3 = hsum8(v3);
+            for (; k < d_in; k++) {
+                const float a = LD(ar[k]);
+                s0 += a * x0[k]; s1 += a * x1[k]; s2 += a * x2[k]; s3 += a * x3[k];
+            }
+#else
+            if (nt == 1) {
+                #pragma omp simd reduction(+:s0)
+                for (int64_t k = 0; k < d_in; k++) s0 += LD(ar[k]) * x0[k];
+            } else if (nt == 2) {
+                #pragma omp simd reduction(+:s0,s1)
+                for (int64_t k = 0; k < d_in; k++) { float a = LD(ar[k]); s0 += a * x0[k]; s1 += a * x1[k]; }
+            } else {
+                #pragma omp simd reduction(+:s0,s1,s2,s3)
+                for (int64_t k = 0; k < d_in; k++) {
+                    float a = LD(ar[k]);
+                    s0 += a * x0[k]; s1 += a * x1[k]; s2 += a * x2[k]; s3 += a * x3[k];
                 }
             }
+#endif
             float s[TB] = {s0, s1, s2, s3};
             for (int i = 0; i < nt; i++) y[(t0 + i) * sy + j] = s[i];
         }
@@ -81,8 +73,6 @@ static void SFX(expand_unit_rank_major)(const float *y, int64_t sy, const WT *b,
             float acc[TB][NB] __attribute__((aligned(64)));
             for (int t = 0; t < nt; t++) memset(acc[t], 0, (size_t)w * sizeof(float));
             int j = 0;
-            float tile[4][NB] __attribute__((aligned(64)));  /* ROW's scratch (fp16 only; unused otherwise) */
-            (void)tile;
             for (; j + 4 <= rank; j += 4) {  /* four rank rows per pass: a quarter of the acc traffic */
                 const WT *w0 = b + j * sbr + n0, *w1 = w0 + sbr, *w2 = w1 + sbr, *w3 = w2 + sbr;
                 if (n0 + 2 * NB <= ncols)  /* next tile of these rows: rank streams outrun the hw prefetcher */
@@ -116,21 +106,19 @@ static void SFX(expand_unit_rank_major)(const float *y, int64_t sy, const WT *b,
                     continue;
                 }
 #endif
-                const RT *b0 = ROW(w0, w, tile[0]), *b1 = ROW(w1, w, tile[1]), *b2 = ROW(w2, w, tile[2]),
-                         *b3 = ROW(w3, w, tile[3]);
                 for (int t = 0; t < nt; t++) {
                     const float *yt = y + (t0 + t) * sy + j;
                     float y0 = yt[0], y1 = yt[1], y2 = yt[2], y3 = yt[3];
                     float *at = acc[t];
                     #pragma omp simd
                     for (int i = 0; i < w; i++)
-                        at[i] += y0 * LD(b0[i]) + y1 * LD(b1[i]) + y2 * LD(b2[i]) + y3 * LD(b3[i]);
+                        at[i] += y0 * LD(w0[i]) + y1 * LD(w1[i]) + y2 * LD(w2[i]) + y3 * LD(w3[i]);
                 }
             }
             for (; j < rank; j++) {
+                const WT *wj = b + j * sbr + n0;
 #ifdef VEC8
                 {  /* as above, one rank row */
-                    const WT *wj = b + j * sbr + n0;
                     int i = 0;
                     for (; i + 8 <= w; i += 8) {
                         const __m256 q = VEC8(wj + i);
@@ -145,12 +133,11 @@ static void SFX(expand_unit_rank_major)(const float *y, int64_t sy, const WT *b,
                     continue;
                 }
 #endif
-                const RT *bj = ROW(b + j * sbr + n0, w, tile[0]);
                 for (int t = 0; t < nt; t++) {
                     float yv = y[(t0 + t) * sy + j];
                     float *at = acc[t];
                     #pragma omp simd
-                    for (int i = 0; i < w; i++) at[i] += yv * LD(bj[i]);
+                    for (int i = 0; i < w; i++) at[i] += yv * LD(wj[i]);
                 }
             }
             for (int t = 0; t < nt; t++) {
@@ -176,8 +163,6 @@ static void SFX(run_segment)(const void *args, int64_t g) {
 }
 
 #undef WT
-#undef RT
-#undef ROW
 #undef LD
 #undef SFX
 #undef VEC8
