@@ -12,7 +12,8 @@ from .services import revoke_api_key
 
 CSV_FIELDS = [
     "request_id", "created_at", "finished_at", "route", "tenant_id", "key_prefix", "adapter_name", "version_number",
-    "expected_sha256", "weights_sha256", "adapter_identity", "base_slug", "base_sha256", "worker_id", "status", "http_status",
+    "expected_sha256", "weights_sha256", "adapter_identity", "adapter_dtype", "base_slug", "base_sha256", "worker_id", "status",
+    "http_status",
     "error_code", "finish_reason", "attempts", "prompt_tokens", "completion_tokens", "queue_seconds",
     "first_token_seconds", "total_seconds",
 ]
@@ -31,7 +32,7 @@ class AuditRecordAdmin(ReadOnlyAdmin):
         "request_id", "created_at", "tenant", "adapter_name", "version_number", "short_weights_sha256",
         "status", "http_status", "error_code", "completion_tokens", "total_seconds",
     ]
-    list_filter = ["tenant", "adapter", "version", "status", "base_model", "error_code",
+    list_filter = ["tenant", "adapter", "version", "status", "base_model", "adapter_dtype", "error_code",
                    ("created_at", admin.DateFieldListFilter)]
     search_fields = ["request_id", "weights_sha256", "expected_sha256", "adapter_identity", "key_prefix"]
     date_hierarchy = "created_at"

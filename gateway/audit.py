@@ -102,6 +102,7 @@ def finalise(draft: AuditDraft, *, ok: bool, http_status: int, error_code: str =
         fields.update(
             weights_sha256=result.adapter_sha256 or "",
             adapter_identity=(result.adapter_identity or "")[:64] or None,  # what the worker says it served
+            adapter_dtype=(result.adapter_dtype or "")[:16],
             finish_reason=result.finish_reason or "",
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,

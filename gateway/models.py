@@ -67,6 +67,11 @@ class AuditRecord(models.Model):
         help_text="What the worker served: sha256 over the weights' sha256, rank, alpha, rsLoRA and target "
                   "modules (inference_worker.jobs.adapter_identity). Empty for base-model requests and refusals.",
     )
+    adapter_dtype = models.CharField(
+        max_length=16, blank=True,
+        help_text="How the worker held the adapter's weights as it applied them: float32, or float16 / bfloat16 "
+                  "from a 16-bit adapter pool (docs/SERVING.md). Empty for base-model requests and refusals.",
+    )
     base_model = models.ForeignKey("adapters.BaseModel", null=True, blank=True, on_delete=models.PROTECT, related_name="+")
     base_slug = models.CharField(max_length=50, blank=True)
     base_sha256 = models.CharField(max_length=64, blank=True)

@@ -33,11 +33,12 @@ def public_worker_id(worker_id: str | None) -> str | None:
 
 
 def metadata(request_id, target: Target | None, *, weights_sha256: str | None = None, worker_id: str | None = None,
-             adapter_identity: str | None = None) -> dict:
-    """`worker_id` is the worker's real id; the metadata carries its public_worker_id()."""
+             adapter_identity: str | None = None, adapter_dtype: str | None = None) -> dict:
+    """`worker_id` is the worker's real id; the metadata carries its public_worker_id(). `adapter_dtype`: how the
+    worker held the adapter's weights ("float32", or "float16" / "bfloat16" from a 16-bit adapter pool)."""
     meta = {"request_id": str(request_id), "adapter": None, "version": None, "weights_sha256": weights_sha256,
-            "adapter_identity": adapter_identity, "base_model": None, "base_sha256": None,
-            "worker_id": public_worker_id(worker_id)}
+            "adapter_identity": adapter_identity, "adapter_dtype": adapter_dtype, "base_model": None,
+            "base_sha256": None, "worker_id": public_worker_id(worker_id)}
     if target is not None:
         meta.update(base_model=target.base.slug, base_sha256=target.base.sha256)
         if target.adapter is not None:
@@ -47,7 +48,8 @@ def metadata(request_id, target: Target | None, *, weights_sha256: str | None = 
 
 def metadata_headers(meta: dict) -> dict[str, str]:
     names = {"request_id": "Request-Id", "adapter": "Adapter", "version": "Version",
-             "weights_sha256": "Weights-Sha256", "adapter_identity": "Adapter-Identity", "base_model": "Base-Model",
+             "weights_sha256": "Weights-Sha256", "adapter_identity": "Adapter-Identity", "adapter_dtype": "Adapter-Dtype",
+             "base_model": "Base-Model",
              "base_sha256": "Base-Sha256", "worker_id": "Worker"}
     return {f"X-Lorafleet-{header}": str(meta[key]) for key, header in names.items() if meta.get(key) is not None}
 

@@ -58,6 +58,10 @@ class Lorafleet(serializers.Serializer):
     adapter = serializers.CharField(allow_null=True)
     version = serializers.IntegerField(allow_null=True)
     weights_sha256 = serializers.CharField(allow_null=True, help_text="sha256 of the weights the worker verified.")
+    adapter_identity = serializers.CharField(allow_null=True, help_text="sha256 over those weights' sha256 and the "
+                                             "adapter's rank, alpha, rsLoRA and target modules, as served.")
+    adapter_dtype = serializers.CharField(allow_null=True, help_text="How the worker held the adapter's weights: "
+                                          "float32, or float16 / bfloat16 from a 16-bit adapter pool.")
     base_model = serializers.CharField()
     base_sha256 = serializers.CharField()
     worker_id = serializers.CharField(allow_null=True)

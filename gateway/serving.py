@@ -189,7 +189,7 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
         worker_id, attempts = first.get("worker_id", ""), first.get("attempts")
         err = _result_error(target, result)
         meta_out = metadata(draft.request_id, target, weights_sha256=result.adapter_sha256, worker_id=worker_id,
-                            adapter_identity=result.adapter_identity)
+                            adapter_identity=result.adapter_identity, adapter_dtype=result.adapter_dtype)
         if err is not None:
             audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=err.message,
                            result=result, worker_id=worker_id, attempts=attempts)
@@ -204,10 +204,12 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
             return response
     stream = _stream(draft, target, params, shapes, first, events, dispatcher, slot)
     head = metadata(draft.request_id, target, weights_sha256=first.get("adapter_sha256"),
-                    worker_id=first.get("worker_id"), adapter_identity=first.get("adapter_identity"))
+                    worker_id=first.get("worker_id"), adapter_identity=first.get("adapter_identity"),
+                    adapter_dtype=first.get("adapter_dtype"))
     if first["type"] == "final":
         head["weights_sha256"] = first["result"].get("adapter_sha256")
         head["adapter_identity"] = first["result"].get("adapter_identity")
+        head["adapter_dtype"] = first["result"].get("adapter_dtype")
     response = StreamingHttpResponse(stream, content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
@@ -288,7 +290,8 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
                 if 0 <= i < len(choices) and (text or entries):
                     meta = metadata(draft.request_id, target, weights_sha256=event.get("adapter_sha256"),
                                     worker_id=event.get("worker_id"),
-                                    adapter_identity=event.get("adapter_identity")) if is_first else None
+                                    adapter_identity=event.get("adapter_identity"),
+                                    adapter_dtype=event.get("adapter_dtype")) if is_first else None
                     choices[i].text += text
                     choices[i].lps += len(entries or [])
                     yield piece(i, text, entries, meta)
@@ -297,7 +300,7 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
                 result = GenerationResult.from_dict(event["result"])
                 worker_id, attempts = event.get("worker_id", ""), event.get("attempts")
                 meta = metadata(draft.request_id, target, weights_sha256=result.adapter_sha256, worker_id=worker_id,
-                                adapter_identity=result.adapter_identity)
+                                adapter_identity=result.adapter_identity, adapter_dtype=result.adapter_dtype)
                 err = _result_error(target, result)
                 if err is not None:
                     audit.finalise(draft, ok=False, http_status=200, error_code=err.code, error_message=err.message,

@@ -795,6 +795,7 @@ class Engine:
             completion_tokens=sum(len(c.token_ids) for c in choices),
             adapter_sha256=served.sha256 if served is not None else None,
             adapter_identity=served.identity if served is not None else None,
+            adapter_dtype=self.runner.adapter_dtype_name if served is not None else None,
             queued_s=((req.t_admit or now) - req.t_submit),
             first_token_s=None if req.t_first is None else req.t_first - req.t_submit,
             total_s=now - req.t_submit,

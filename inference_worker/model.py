@@ -506,6 +506,11 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return max(0, peak) + max(0, torch.cuda.memory_allocated(self.device) - before)
 
+    @property
+    def adapter_dtype_name(self) -> str | None:
+        """How resident adapters are stored ("float32", "float16", "bfloat16"); None without LoRA."""
+        return str(self.lora.dtype).removeprefix("torch.") if self.lora is not None else None
+
     def memory_report(self) -> dict:
         """What the pool holds now (worker_status, Prometheus, the operator page)."""
         pool = self.pool
@@ -514,7 +519,7 @@ class ModelRunner:
             "block_size": self.block_size, "weights_bytes": self.weights_bytes,
             "kv_blocks_used": pool.kv_pages, "free_pages": pool.num_free, "largest_free_run": pool.largest_free_run(),
             "adapter_pages": pool.adapter_pages,
-            "adapter_dtype": str(self.lora.dtype).removeprefix("torch.") if self.lora is not None else None,
+            "adapter_dtype": self.adapter_dtype_name,
             "adapter_bytes_resident": self.lora.resident_bytes if self.lora is not None else 0,
             "resident_adapters_by_rank": {str(k): v for k, v in self.lora.resident_by_rank().items()}
             if self.lora is not None else {},

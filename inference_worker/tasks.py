@@ -98,11 +98,13 @@ def _run(job: GenerationJob, meta: JobMeta, runtime, channel, deadline: float) -
         if meta.stream:
             verified = job.adapter.sha256 if job.adapter is not None else None
             identity = job.adapter.identity if job.adapter is not None else None
+            held_as = runtime.engine.runner.adapter_dtype_name if job.adapter is not None else None
             checked = time.monotonic()
             # A token exists only once the adapter was loaded and its sha256 verified against the job's.
             for delta in handle.deltas(timeout=timeout):  # {"index", "text"} (+ "logprobs", "prompt_logprobs")
                 channel.push(job.request_id, {"type": "delta", **delta, "worker_id": runtime.worker_id,
-                                              "adapter_sha256": verified, "adapter_identity": identity})
+                                              "adapter_sha256": verified, "adapter_identity": identity,
+                                              "adapter_dtype": held_as})
                 if time.monotonic() - checked > CANCEL_CHECK_S:
                     checked = time.monotonic()
                     if channel.is_cancelled(job.request_id) or time.time() > deadline + GRACE_S:

@@ -166,6 +166,9 @@ class GenerationResult:
     completion_tokens: int = 0
     adapter_sha256: str | None = None  # the hash of the weights the cache verified and served
     adapter_identity: str | None = None  # AdapterRef.identity of what was served (weights + config)
+    # How the worker held the served adapter's weights as it applied them: "float32", or "float16" / "bfloat16"
+    # from a 16-bit adapter pool (run_worker --adapter-dtype) or a 16-bit model. None for base-model requests.
+    adapter_dtype: str | None = None
     queued_s: float = 0.0  # submit -> admitted into the running batch
     first_token_s: float | None = None  # submit -> first generated token
     total_s: float = 0.0  # submit -> done

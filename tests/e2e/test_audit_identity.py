@@ -1,4 +1,5 @@
-"""A real worker's answer names the adapter identity it served, and the audit row keeps it (issue 12)."""
+"""A real worker's answer names the adapter identity it served and how it held the weights (float32 here: the
+worker runs without --adapter-dtype), and the audit row keeps both (issue 12)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from protocol.jobs import adapter_identity
 
 
 def _row(db_rows, request_id: str) -> dict:
-    rows = db_rows("SELECT adapter_identity, weights_sha256, worker_id, status FROM gateway_auditrecord "
+    rows = db_rows("SELECT adapter_identity, adapter_dtype, weights_sha256, worker_id, status FROM gateway_auditrecord "
                    "WHERE request_id::text = %s", (request_id,))
     assert len(rows) == 1
     return rows[0]
@@ -26,6 +27,8 @@ def test_the_answer_and_its_audit_row_name_the_identity_the_worker_served(e2e, d
         assert r.json()["lorafleet"]["adapter_identity"] == expected == r.headers["X-Lorafleet-Adapter-Identity"]
         row = _row(db_rows, r.headers["X-Lorafleet-Request-Id"])
         assert (row["status"], row["adapter_identity"], row["weights_sha256"]) == ("ok", expected, v["sha256"])
+        assert r.json()["lorafleet"]["adapter_dtype"] == "float32" == r.headers["X-Lorafleet-Adapter-Dtype"]
+        assert row["adapter_dtype"] == "float32"
         # the caller sees an opaque worker name; the record keeps the real one for staff
         shown = r.headers["X-Lorafleet-Worker"]
         assert re.fullmatch(r"[0-9a-f]{16}", shown) and row["worker_id"] and row["worker_id"] != shown
@@ -43,4 +46,6 @@ def test_a_stream_names_the_identity_in_its_last_chunk_and_on_the_record(e2e, db
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     named = [c["lorafleet"]["adapter_identity"] for c in chunks if "lorafleet" in c]
     assert named[-1] == expected
-    assert _row(db_rows, request_id)["adapter_identity"] == expected
+    assert {c["lorafleet"]["adapter_dtype"] for c in chunks if "lorafleet" in c} == {"float32"}
+    row = _row(db_rows, request_id)
+    assert (row["adapter_identity"], row["adapter_dtype"]) == (expected, "float32")

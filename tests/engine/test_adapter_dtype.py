@@ -101,3 +101,29 @@ def test_the_worker_setting_names_a_dtype_or_is_refused():
     for name in ("bf16", "float64"):
         with pytest.raises(ValueError, match="expected one of float32, bfloat16, float16"):
             adapter_dtype_of(name)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float16], ids=["fp32", "fp16"])
+def test_every_answer_says_how_its_adapter_was_held(tiny_llama, tmp_path, dtype):
+    """The result (and so the audit row) names the pool's adapter dtype for adapter requests, none for the base."""
+    import hashlib
+
+    from inference_worker.engine import Engine
+    from protocol.jobs import AdapterRef, GenerationJob
+
+    fp32_dir, _ = adapters(tiny_llama, tmp_path, torch.float16)
+    blob = (fp32_dir / "adapter_model.safetensors").read_bytes()
+    ref = AdapterRef(version_id=1, sha256=hashlib.sha256(blob).hexdigest(), storage_key="a", rank=16, alpha=32.0,
+                     use_rslora=False, target_modules=list(TARGET_MODULES), name="a")
+    runner = ModelRunner(tiny_llama, pool_pages=256, max_lora_rank=32, adapter_dtype=dtype)
+    eng = Engine(runner, {"a": blob}.__getitem__, max_running=4, prefill_chunk=32).start()
+    try:
+        with_adapter, base = (eng.generate(GenerationJob(f"r{i}", adapter, prompt_token_ids=PROMPT, max_tokens=4,
+                                                         temperature=0.0), timeout=120)
+                              for i, adapter in enumerate((ref, None)))
+    finally:
+        eng.stop()
+    assert with_adapter.ok and base.ok
+    assert with_adapter.adapter_dtype == ("float16" if dtype is torch.float16 else "float32")
+    assert with_adapter.adapter_sha256 == ref.sha256 and base.adapter_dtype is None
+    assert type(with_adapter).from_dict(with_adapter.to_dict()).adapter_dtype == with_adapter.adapter_dtype
