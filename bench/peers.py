@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -529,6 +530,19 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
                                       "base_tok_per_cpu_s": per_cpu["base"], "fleet_tok_per_cpu_s": per_cpu["fleet"],
                                       "base_of_limit": of_limit,
                                       "same_as_ref": None if sysname == "hf" else same}
+    # Each round's fleet pass against the same round's base-only pass: the best-of ratio above pairs the fastest
+    # pass of each mode, which on a shared host may come from different rounds (and lorafleet16's base-only
+    # pass is lorafleet's).
+    def tok_s_of(sysname: str, mode: str) -> list[float]:
+        return [p["tok_s"] for p in result["passes"] if p.get("system") == sysname and p.get("mode") == mode]
+
+    for sysname in ("lorafleet", "lorafleet16"):
+        if sysname not in result["systems"]:
+            continue
+        pairs = [f / b for f, b in zip(tok_s_of(sysname, "fleet"), tok_s_of("lorafleet", "base"), strict=False)]
+        result["systems"][sysname]["fleet_vs_base_by_round"] = pairs
+        print(f"  {sysname} fleet / lorafleet base-only, round by round: {', '.join(f'{r:.2f}' for r in pairs)} "
+              f"(median {statistics.median(pairs):.2f})", flush=True)
     result["limit"] = limit.as_dict()
     lf = result["systems"]["lorafleet"]
     goals = {"lorafleet base-only / vLLM base-only >= 1.0": None, "lorafleet base-only of the fp32 limit >= 0.90":
