@@ -12,9 +12,8 @@ from .services import revoke_api_key
 
 CSV_FIELDS = [
     "request_id", "created_at", "finished_at", "route", "tenant_id", "key_prefix", "adapter_name", "version_number",
-    "expected_sha256", "weights_sha256", "adapter_identity", "adapter_dtype", "base_slug", "base_sha256", "worker_id", "status",
-    "http_status",
-    "error_code", "finish_reason", "attempts", "prompt_tokens", "completion_tokens", "queue_seconds",
+    "expected_sha256", "weights_sha256", "adapter_identity", "adapter_dtype", "base_slug", "base_sha256", "worker_id",
+    "status", "http_status", "error_code", "finish_reason", "attempts", "prompt_tokens", "completion_tokens", "queue_seconds",
     "first_token_seconds", "total_seconds",
 ]
 

@@ -46,11 +46,18 @@ def metadata(request_id, target: Target | None, *, weights_sha256: str | None = 
     return meta
 
 
+def served_by(source) -> dict:
+    """What the worker says it served, as `metadata` keywords: from a GenerationResult, or from a reply event's
+    dict (a delta, or a final event's "result")."""
+    get = source.get if isinstance(source, dict) else lambda name: getattr(source, name)
+    return {"weights_sha256": get("adapter_sha256"), "adapter_identity": get("adapter_identity"),
+            "adapter_dtype": get("adapter_dtype")}
+
+
 def metadata_headers(meta: dict) -> dict[str, str]:
     names = {"request_id": "Request-Id", "adapter": "Adapter", "version": "Version",
              "weights_sha256": "Weights-Sha256", "adapter_identity": "Adapter-Identity", "adapter_dtype": "Adapter-Dtype",
-             "base_model": "Base-Model",
-             "base_sha256": "Base-Sha256", "worker_id": "Worker"}
+             "base_model": "Base-Model", "base_sha256": "Base-Sha256", "worker_id": "Worker"}
     return {f"X-Lorafleet-{header}": str(meta[key]) for key, header in names.items() if meta.get(key) is not None}
 
 

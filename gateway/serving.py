@@ -28,7 +28,7 @@ from .limits import TenantSlot
 from .params import GenerationParams, parse_chat, parse_completion, parse_json_body, read_body
 from .prompts import chat_prompt, count_and_check, tokenizer_for
 from .queue import QueueUnavailable, ReplyTimeout, get_dispatcher
-from .responses import Shapes, TokenText, metadata, metadata_headers, sse
+from .responses import Shapes, TokenText, metadata, metadata_headers, served_by, sse
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,7 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
         result = GenerationResult.from_dict(first["result"])
         worker_id, attempts = first.get("worker_id", ""), first.get("attempts")
         err = _result_error(target, result)
-        meta_out = metadata(draft.request_id, target, weights_sha256=result.adapter_sha256, worker_id=worker_id,
-                            adapter_identity=result.adapter_identity, adapter_dtype=result.adapter_dtype)
+        meta_out = metadata(draft.request_id, target, worker_id=worker_id, **served_by(result))
         if err is not None:
             audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=err.message,
                            result=result, worker_id=worker_id, attempts=attempts)
@@ -203,13 +202,8 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
             metrics.observe(draft.route, 200, _tenant_label(draft), draft.elapsed())
             return response
     stream = _stream(draft, target, params, shapes, first, events, dispatcher, slot)
-    head = metadata(draft.request_id, target, weights_sha256=first.get("adapter_sha256"),
-                    worker_id=first.get("worker_id"), adapter_identity=first.get("adapter_identity"),
-                    adapter_dtype=first.get("adapter_dtype"))
-    if first["type"] == "final":
-        head["weights_sha256"] = first["result"].get("adapter_sha256")
-        head["adapter_identity"] = first["result"].get("adapter_identity")
-        head["adapter_dtype"] = first["result"].get("adapter_dtype")
+    head = metadata(draft.request_id, target, worker_id=first.get("worker_id"),
+                    **served_by(first["result"] if first["type"] == "final" else first))
     response = StreamingHttpResponse(stream, content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
@@ -288,10 +282,8 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
                     prompt_lps = event["prompt_logprobs"]
                 text, entries = event.get("text", ""), event.get("logprobs")
                 if 0 <= i < len(choices) and (text or entries):
-                    meta = metadata(draft.request_id, target, weights_sha256=event.get("adapter_sha256"),
-                                    worker_id=event.get("worker_id"),
-                                    adapter_identity=event.get("adapter_identity"),
-                                    adapter_dtype=event.get("adapter_dtype")) if is_first else None
+                    meta = metadata(draft.request_id, target, worker_id=event.get("worker_id"),
+                                    **served_by(event)) if is_first else None
                     choices[i].text += text
                     choices[i].lps += len(entries or [])
                     yield piece(i, text, entries, meta)
@@ -299,8 +291,7 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
             else:
                 result = GenerationResult.from_dict(event["result"])
                 worker_id, attempts = event.get("worker_id", ""), event.get("attempts")
-                meta = metadata(draft.request_id, target, weights_sha256=result.adapter_sha256, worker_id=worker_id,
-                                adapter_identity=result.adapter_identity, adapter_dtype=result.adapter_dtype)
+                meta = metadata(draft.request_id, target, worker_id=worker_id, **served_by(result))
                 err = _result_error(target, result)
                 if err is not None:
                     audit.finalise(draft, ok=False, http_status=200, error_code=err.code, error_message=err.message,
