@@ -168,6 +168,95 @@ def workload_limit(cfg, prompt_lens: list[int], new_tokens: list[int], *, prefil
                          prefill=rates[0], decode=rates[1])
 
 
+def read_bandwidth(mb: int = 700, repeats: int = 5) -> float:
+    """Bytes per second of a plain read of `mb` MB from memory: `torch.sum` over one fp32 tensor on every torch
+    thread, best of `repeats` (load only ever slows a read down). A kernel that must read a set of weights once
+    cannot do so faster than this."""
+    x = torch.ones(mb * 2 ** 20 // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def last_level_cache_bytes() -> int:
+    """The L3's size (0 where the OS does not say): what of one step's adapter weights may still be cached at
+    the next step."""
+    from pathlib import Path
+
+    sizes = [0]
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "level").read_text().strip() == "3":
+                size = (index / "size").read_text().strip().upper()
+                unit = {"K": 2 ** 10, "M": 2 ** 20}.get(size[-1:], 1)
+                sizes.append(int(size.rstrip("KM")) * unit)
+        except (OSError, ValueError):
+            continue
+    return max(sizes)
+
+
+def adapter_bytes(cfg, rank: int, targets, elem_bytes: int = 4) -> int:
+    """The bytes of one adapter's A and B over every layer: rank x (d_in + d_out) per targeted projection."""
+    from protocol.lora_layout import ModelShape
+
+    proj = ModelShape.from_config(cfg).projections()
+    return cfg.num_layers * sum(rank * (proj[t][0] + proj[t][1]) for t in targets) * elem_bytes
+
+
+@dataclass
+class FleetCeiling:
+    """How close a fleet pass can come to the base-only pass on this host, from what it must read.
+
+    In every step where a request runs, its adapter's A and B of every layer are read once (its prefill's last
+    step and each of its decode steps: `new_tokens` steps at least); a step's adapters far exceed the L3, so at
+    most the L3's size of them is still cached from the step before. At the plain read's speed those bytes take
+    `read_seconds`, time a fleet pass spends beyond the base-only pass's work: the LoRA term's arithmetic is
+    negligible, and with one thread per core nothing else runs while a core reads them. So fleet/base can be at
+    most b / (b + read_seconds) for a base-only pass of b seconds, and at most `at_limit_goal` when base-only runs
+    at 0.90 of the fp32 limit: where that is below 0.85 the two goals cannot both be met on this host."""
+
+    step_bytes: int  # adapter bytes of one step in which every request runs (each distinct adapter once)
+    steps: int  # steps each adapter is needed in, at least
+    cached_bytes: int  # L3 size
+    read_bytes_per_s: float
+    base_seconds: float  # the best base-only pass
+    limit_seconds: float  # the workload's fp32 limit
+
+    @property
+    def read_seconds(self) -> float:
+        return self.steps * max(self.step_bytes - self.cached_bytes, 0) / self.read_bytes_per_s
+
+    def at(self, base_seconds: float) -> float:
+        return base_seconds / (base_seconds + self.read_seconds)
+
+    @property
+    def at_measured_base(self) -> float:
+        return self.at(self.base_seconds)
+
+    @property
+    def at_limit_goal(self) -> float:
+        return self.at(self.limit_seconds / 0.90)
+
+    def describe(self) -> str:
+        return (f"fleet ceiling: {self.steps} steps x {self.step_bytes / 1e6:.0f} MB of adapters (less the L3's "
+                f"{self.cached_bytes / 1e6:.0f} MB) at the plain read's {self.read_bytes_per_s / 1e9:.1f} GB/s = "
+                f"{self.read_seconds:.2f} s beyond base-only; fleet/base at most {self.at_measured_base:.2f} beside "
+                f"this run's base-only pass ({self.base_seconds:.2f} s), at most {self.at_limit_goal:.2f} beside a "
+                f"base-only pass at 0.90 of the limit ({self.limit_seconds / 0.9:.2f} s)"
+                + ("" if self.at_limit_goal >= 0.85 else
+                   ": below 0.85, so base-only >= 0.90 of the limit and fleet >= 0.85x base-only cannot both hold "
+                   "on this host at fp32"))
+
+    def as_dict(self) -> dict:
+        return {"step_bytes": self.step_bytes, "steps": self.steps, "cached_bytes": self.cached_bytes,
+                "read_gb_s": self.read_bytes_per_s / 1e9, "read_seconds": self.read_seconds,
+                "base_seconds": self.base_seconds, "limit_seconds": self.limit_seconds,
+                "fleet_vs_base_at_most": self.at_measured_base, "fleet_vs_base_at_most_at_limit_goal": self.at_limit_goal}
+
+
 def best_of(a: GemmRates | None, b: GemmRates) -> GemmRates:
     """The faster of two measurements at the same row count (load only ever slows a GEMM down)."""
     return b if a is None or b.best > a.best else a

@@ -433,7 +433,15 @@ def fmt_answer(tokenizer, ids: list[int], eos: set[int]) -> str:
 def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, limit_repeats: int) -> dict:
     import torch
 
-    from bench.limits import best_of, measure_rates, workload_limit
+    from bench.limits import (
+        FleetCeiling,
+        adapter_bytes,
+        best_of,
+        last_level_cache_bytes,
+        measure_rates,
+        read_bandwidth,
+        workload_limit,
+    )
     from inference_worker.model import ModelConfig
 
     w = WORKLOADS[name](workdir)
@@ -471,12 +479,17 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
     best: dict[tuple[str, str], tuple[float, list]] = {}
     best_cpu: dict[tuple[str, str], float] = {}
     rates = [None, None]
+    read_bw = 0.0
     generated = len(w.prompts) * w.new_tokens
     for rnd in range(rounds):
         pre, dec = measure_rates(cfg, 512, repeats=limit_repeats), measure_rates(cfg, len(w.prompts), repeats=limit_repeats)
         rates = [best_of(rates[0], pre), best_of(rates[1], dec)]
-        print(f"round {rnd + 1}/{rounds}: GEMM {pre.line()}\n{'':11s}GEMM {dec.line()}", flush=True)
-        result["passes"].append({"gemm_512": pre.best / 1e9, "gemm_decode": dec.best / 1e9, "load": pre.load_average})
+        bw = read_bandwidth()
+        read_bw = max(read_bw, bw)
+        print(f"round {rnd + 1}/{rounds}: GEMM {pre.line()}\n{'':11s}GEMM {dec.line()}\n{'':11s}plain read of 700 MB: "
+              f"{bw / 1e9:.1f} GB/s", flush=True)
+        result["passes"].append({"gemm_512": pre.best / 1e9, "gemm_decode": dec.best / 1e9, "read_gb_s": bw / 1e9,
+                                 "load": pre.load_average})
         for sysname, mode in passes:
             l0, c0 = load(), cpu_seconds()
             wall, tokens = systems[sysname].timed(mode)
@@ -544,6 +557,13 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
         print(f"  {sysname} fleet / lorafleet base-only, round by round: {', '.join(f'{r:.2f}' for r in pairs)} "
               f"(median {statistics.median(pairs):.2f})", flush=True)
     result["limit"] = limit.as_dict()
+    from bench.engine import ALL_TARGETS
+
+    ceiling = FleetCeiling(step_bytes=sum(adapter_bytes(cfg, w.ranks[a], ALL_TARGETS) for a in set(w.adapter_of)),
+                           steps=w.new_tokens, cached_bytes=last_level_cache_bytes(), read_bytes_per_s=read_bw,
+                           base_seconds=best["lorafleet", "base"][0], limit_seconds=limit.seconds)
+    print(f"  {ceiling.describe()}", flush=True)
+    result["fleet_ceiling"] = ceiling.as_dict()
     lf = result["systems"]["lorafleet"]
     goals = {"lorafleet base-only / vLLM base-only >= 1.0": None, "lorafleet base-only of the fp32 limit >= 0.90":
              (lf["base_of_limit"], 0.90), "lorafleet fleet / lorafleet base-only >= 0.85": (lf["fleet_vs_base"], 0.85),
