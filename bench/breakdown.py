@@ -1,0 +1,100 @@
+"""Where a lorafleet pass's time goes: GEMMs by row count, the LoRA term (decode and prefill calls), attention.
+
+    .venv/bin/python bench/breakdown.py [--workload smollm2] [--modes base,fleet] [--rounds 2]
+
+One engine on a bench/peers.py workload (the same setup as its lorafleet row), its passes alternating between
+the modes. Every GEMM (`Projection.__call__` / `add_to`), every LoRA call (`StepLora.add`), every attention call
+(`Block.attend`) and each forward step (`ModelRunner.forward`) is timed; a GEMM's FLOPs come from its shapes, so
+each row bucket prints the rate the engine got, to set beside bench/limits.py's rates for the same row counts.
+"rest of forward" is what the forward spends outside those (norms, RoPE and the KV write, SwiGLU's gate, the
+LM head's sampling input); "outside" is the wall time outside the forward (scheduling, sampling, replies).
+
+The timers cost ~0.3 us a call (~40,000 calls a SmolLM2 pass: ~10 ms), well under the noise between passes.
+What it showed is in bench/RESULTS.md ("Where a SmolLM2 pass's time goes").
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import peers  # noqa: E402
+from inference_worker import lora as lora_mod  # noqa: E402
+from inference_worker import model as model_mod  # noqa: E402
+
+seconds: dict[str, float] = collections.defaultdict(float)
+calls: dict[str, int] = collections.defaultdict(int)
+flops: dict[str, float] = collections.defaultdict(float)
+
+
+def timed(fn, key, count_flops=None):
+    """fn, timed into `key(*args)`'s bucket (and its FLOPs from `count_flops(*args, result)`)."""
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        result = fn(*args, **kwargs)
+        k = key(*args)
+        seconds[k] += time.perf_counter() - t
+        calls[k] += 1
+        if count_flops is not None:
+            flops[k] += count_flops(*args, result)
+        return result
+
+    return wrapper
+
+
+def gemm_bucket(rows: int) -> str:
+    return "GEMM <= 64 rows" if rows <= 64 else "GEMM <= 512 rows" if rows <= 512 else "GEMM > 512 rows"
+
+
+def instrument() -> None:
+    proj = model_mod.Projection
+    proj.__call__ = timed(proj.__call__, lambda self, x: gemm_bucket(x.shape[0]),
+                          lambda self, x, out: 2.0 * x.shape[0] * x.shape[1] * out.shape[1])
+    proj.add_to = timed(proj.add_to, lambda self, out, x: gemm_bucket(x.shape[0]),
+                        lambda self, out, x, res: 2.0 * x.shape[0] * x.shape[1] * res.shape[1])
+    lora_mod.StepLora.add = timed(lora_mod.StepLora.add,
+                                  lambda self, out, x, layer, proj: "LoRA, decode steps" if self.mapping.num_tokens
+                                  <= self.lora_decode_rows else "LoRA, steps with a prefill")
+    model_mod.Block.attend = timed(model_mod.Block.attend, lambda *a: "attention")
+    model_mod.ModelRunner.forward = timed(model_mod.ModelRunner.forward, lambda *a: "forward")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="smollm2", choices=sorted(peers.WORKLOADS))
+    ap.add_argument("--modes", default="base,fleet")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workdir", default="/tmp/lorafleet-bench")
+    args = ap.parse_args()
+
+    w = peers.WORKLOADS[args.workload](Path(args.workdir))
+    engine = peers.Lorafleet(w)
+    instrument()
+    lora_mod.StepLora.lora_decode_rows = len(w.prompts)  # a step of no more rows than running requests: decode
+    generated = len(w.prompts) * w.new_tokens
+    for _ in range(args.rounds):
+        for mode in args.modes.split(","):
+            seconds.clear()
+            calls.clear()
+            flops.clear()
+            wall, _ = engine.timed(mode)
+            gemm = sum(v for k, v in seconds.items() if k.startswith("GEMM"))
+            lora = sum(v for k, v in seconds.items() if k.startswith("LoRA"))
+            fwd, attn = seconds["forward"], seconds["attention"]
+            print(f"{args.workload} {mode:5s} wall {wall:6.2f} s ({generated / wall:6.1f} tok/s): forward {fwd:6.2f} = "
+                  f"GEMMs {gemm:5.2f} + LoRA {lora:5.2f} + attention {attn:5.2f} + rest {fwd - gemm - lora - attn:5.2f}; "
+                  f"outside the forward {wall - fwd:5.2f}", flush=True)
+            for k in sorted(seconds):
+                if k.startswith(("GEMM", "LoRA")):
+                    rate = f", {flops[k] / seconds[k] / 1e9:6.1f} GFLOP/s" if flops[k] else ""
+                    print(f"    {k:27s} {seconds[k]:6.2f} s, {calls[k]:6d} calls{rate}", flush=True)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
