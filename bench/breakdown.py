@@ -51,15 +51,17 @@ def gemm_bucket(rows: int) -> str:
     return "GEMM <= 64 rows" if rows <= 64 else "GEMM <= 512 rows" if rows <= 512 else "GEMM > 512 rows"
 
 
-def instrument() -> None:
+def instrument(decode_rows: int) -> None:
+    """Wrap the engine's GEMMs, LoRA calls, attention and forward in timers; a step of at most `decode_rows`
+    tokens is a decode step."""
     proj = model_mod.Projection
     proj.__call__ = timed(proj.__call__, lambda self, x: gemm_bucket(x.shape[0]),
                           lambda self, x, out: 2.0 * x.shape[0] * x.shape[1] * out.shape[1])
     proj.add_to = timed(proj.add_to, lambda self, out, x: gemm_bucket(x.shape[0]),
                         lambda self, out, x, res: 2.0 * x.shape[0] * x.shape[1] * res.shape[1])
     lora_mod.StepLora.add = timed(lora_mod.StepLora.add,
-                                  lambda self, out, x, layer, proj: "LoRA, decode steps" if self.mapping.num_tokens
-                                  <= self.lora_decode_rows else "LoRA, steps with a prefill")
+                                  lambda self, out, x, layer, proj: "LoRA, decode steps" if x.shape[0] <= decode_rows
+                                  else "LoRA, steps with a prefill")
     model_mod.Block.attend = timed(model_mod.Block.attend, lambda *a: "attention")
     model_mod.ModelRunner.forward = timed(model_mod.ModelRunner.forward, lambda *a: "forward")
 
@@ -74,8 +76,7 @@ def main() -> None:
 
     w = peers.WORKLOADS[args.workload](Path(args.workdir))
     engine = peers.Lorafleet(w)
-    instrument()
-    lora_mod.StepLora.lora_decode_rows = len(w.prompts)  # a step of no more rows than running requests: decode
+    instrument(decode_rows=len(w.prompts))  # a step of no more rows than running requests: a decode step
     generated = len(w.prompts) * w.new_tokens
     for _ in range(args.rounds):
         for mode in args.modes.split(","):

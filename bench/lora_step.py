@@ -32,14 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.engine import N_ADAPTERS, N_REQUESTS, SMOL_RANKS, ZIPF_S, smollm2_base  # noqa: E402
+from bench.engine import N_ADAPTERS, SMOL_RANKS, rank_of, smollm2_base, zipf_adapters  # noqa: E402
 from bench.limits import read_bandwidth  # noqa: E402
 from inference_worker.lora import LoraPool  # noqa: E402
 from inference_worker.memory_pool import PagePool  # noqa: E402
 from inference_worker.model import ModelConfig  # noqa: E402
 from kernels import LoraTable, cpu_native  # noqa: E402
 from kernels.cpu import LONG_SEGMENT  # noqa: E402
-from protocol.lora_layout import TARGET_MODULES, ModelShape  # noqa: E402
+from protocol.lora_layout import TARGET_MODULES, ModelShape, peft_tensor_name  # noqa: E402
 from protocol.memory import adapter_pages, page_elements  # noqa: E402
 
 BLOCK = 16  # the worker's KV block size (pages per adapter follow from it)
@@ -47,10 +47,8 @@ BLOCK = 16  # the worker's KV block size (pages per adapter follow from it)
 
 def build_pool(shape: ModelShape) -> tuple[LoraPool, dict[int, int], list[int], list[int]]:
     """The drawn adapters placed in a pool: (pool, slot of each adapter, adapter of each request, ranks)."""
-    rng = np.random.default_rng(0)
-    ranks = [SMOL_RANKS[i % len(SMOL_RANKS)] for i in range(N_ADAPTERS)]
-    p = 1.0 / np.arange(1, N_ADAPTERS + 1) ** ZIPF_S  # bench/engine.py's chat_workload draw, seed 0
-    adapter_of = sorted(rng.choice(N_ADAPTERS, size=N_REQUESTS, p=p / p.sum()).tolist())
+    ranks = [rank_of(i) for i in range(N_ADAPTERS)]
+    adapter_of = sorted(zipf_adapters(np.random.default_rng(0)))  # chat_workload's draw (seed 0), grouped
     used = sorted(set(adapter_of))
     pages = sum(adapter_pages(shape, ranks[a], TARGET_MODULES, BLOCK) for a in used)
     pool = LoraPool(PagePool(num_layers=shape.num_layers, num_pages=pages, page_elems=page_elements(shape, BLOCK),
@@ -61,10 +59,8 @@ def build_pool(shape: ModelShape) -> tuple[LoraPool, dict[int, int], list[int], 
         r, weights = ranks[a], {}
         for layer in range(shape.num_layers):
             for proj, (d_in, d_out) in shape.projections().items():
-                module = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-                name = f"base_model.model.model.layers.{layer}.{module}.{proj}"
-                weights[f"{name}.lora_A.weight"] = torch.randn(r, d_in, generator=g) * 0.05
-                weights[f"{name}.lora_B.weight"] = torch.randn(d_out, r, generator=g) * 0.05
+                weights[peft_tensor_name(layer, proj, "A")] = torch.randn(r, d_in, generator=g) * 0.05
+                weights[peft_tensor_name(layer, proj, "B")] = torch.randn(d_out, r, generator=g) * 0.05
         slot_of[a] = pool.place(f"a{a}", weights, rank=r, scale=2.0)
     return pool, slot_of, adapter_of, ranks
 
