@@ -276,7 +276,8 @@ class Lorafleet:
     """The engine on a LoRA-enabled runner whose pool holds the KV blocks of every request and every drawn adapter
     (adapters resident: the fleet's steady state), as bench/engine.py's EngineRun."""
 
-    def __init__(self, w: Workload, packed_weights: bool | None = None, adapter_dtype=None):
+    def __init__(self, w: Workload, packed_weights: bool | None = None, adapter_dtype=None,
+                 pack_tied_head: bool | None = None):
         import hashlib
 
         from bench.engine import ALL_TARGETS
@@ -301,6 +302,8 @@ class Lorafleet:
         kw = {} if packed_weights is None else {"packed_weights": packed_weights}  # the runner's default otherwise
         if adapter_dtype is not None:
             kw["adapter_dtype"] = adapter_dtype
+        if pack_tied_head is not None:
+            kw["pack_tied_head"] = pack_tied_head
         probe = ModelRunner(w.base, pool_pages=1, max_lora_rank=w.max_rank, enable_lora=True,
                             **{k: v for k, v in kw.items() if k == "adapter_dtype"})
         pages = kv_pages + sum(probe.lora.pages_for(w.ranks[a], ALL_TARGETS) for a in set(w.adapter_of))
@@ -625,6 +628,14 @@ def packing_ab(name: str, workdir: Path, rounds: int) -> dict:
     return _alternating(w, engines, rounds, "projections through pre-packed oneDNN vs F.linear")
 
 
+def tied_head_ab(name: str, workdir: Path, rounds: int) -> dict:
+    """lorafleet with a tied LM head packed into a copy for oneDNN (the default) against oneDNN on the embedding
+    table as stored (pack_tied_head=False), base-only and fleet, passes alternating; best of `rounds`."""
+    w = WORKLOADS[name](workdir)
+    engines = {"packed": Lorafleet(w, pack_tied_head=True), "as_stored": Lorafleet(w, pack_tied_head=False)}
+    return _alternating(w, engines, rounds, "the tied LM head packed (a copy) vs as stored")
+
+
 def adapter_dtype_ab(name: str, workdir: Path, rounds: int) -> dict:
     """lorafleet with its adapters stored in fp32 (the default) against the 16-bit adapter pool (fp16, bf16),
     base-only and fleet, the engines' passes alternating; best of `rounds`. Each 16-bit pool's greedy tokens are
@@ -689,14 +700,16 @@ def run_main(argv: list[str]) -> None:
     ap.add_argument("--packing-ab", action="store_true", help="only lorafleet: pre-packed oneDNN vs F.linear")
     ap.add_argument("--adapter-dtype-ab", action="store_true",
                     help="only lorafleet: adapters stored in fp32 vs the 16-bit adapter pool (fp16, bf16)")
+    ap.add_argument("--tied-head-ab", action="store_true",
+                    help="only lorafleet: a tied LM head packed into a copy vs oneDNN on the table as stored")
     args = ap.parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch "
           f"{torch.__version__}, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', 'default')}; load average {load():.1f}", flush=True)
-    if args.packing_ab or args.adapter_dtype_ab:
-        ab = packing_ab if args.packing_ab else adapter_dtype_ab
+    if args.packing_ab or args.adapter_dtype_ab or args.tied_head_ab:
+        ab = packing_ab if args.packing_ab else tied_head_ab if args.tied_head_ab else adapter_dtype_ab
         out = [ab(name, workdir, args.rounds) for name in args.workloads.split(",")]
         print(f"load average at end {load():.1f}")
         if args.json:

@@ -228,10 +228,10 @@ class Projection:
     measures both). `pack_rows` given: the weight is reordered ONCE into oneDNN's blocked layout (AB16b64a on
     AVX-512), what inductor's CPU freezing pass emits and vLLM-CPU's onednn_mm does; the layout does not depend on
     the row count (the hint only picks it), so one packed copy serves decode and prefill. `onednn` without
-    `pack_rows`: oneDNN on the weight as stored (a tied LM head is also the embedding table, which must stay a
-    plain tensor; packing a copy would cost its size again). The output is an ordinary dense tensor, so LoRA's
-    column views of fused outputs work as before. Neither: F.linear / addmm_ (other devices and dtypes, or
-    packed_weights=False).
+    `pack_rows`: oneDNN on the weight as stored (a tied LM head with pack_tied_head=False: the embedding table,
+    which must stay a plain tensor for the token lookup, so packing it means a second copy). The output is an
+    ordinary dense tensor, so LoRA's column views of fused outputs work as before. Neither: F.linear / addmm_
+    (other devices and dtypes, or packed_weights=False).
     """
 
     __slots__ = ("weight", "bias", "onednn")
@@ -399,7 +399,8 @@ class ModelRunner:
                  dtype: torch.dtype | None = None, block_size: int = 16, max_lora_rank: int = 64,
                  enable_lora: bool = True, memory_bytes: int | None = None, pool_pages: int | None = None,
                  max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0,
-                 packed_weights: bool | None = None, adapter_dtype: torch.dtype | None = None) -> None:
+                 packed_weights: bool | None = None, adapter_dtype: torch.dtype | None = None,
+                 pack_tied_head: bool | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -433,11 +434,23 @@ class ModelRunner:
         self.embed = w.pop("model.embed_tokens.weight")  # [vocab, hidden]
         self.final_norm = w.pop("model.norm.weight")
         head = w.pop("lm_head.weight", None)
-        # The LM head [vocab, hidden]: packed like the projections unless it is the embedding table itself.
-        if head is None or cfg.tie_word_embeddings:
-            self.head = Projection(self.embed, onednn=packed_weights)
-        else:
+        # The LM head [vocab, hidden], packed like the projections. A tied head is the embedding table itself, which
+        # the token lookup reads row by row and so must stay a plain tensor: packing it makes a second copy
+        # (pack_tied_head, by default whenever the projections are packed), counted in weights_bytes so the pool
+        # gives up that much; pack_tied_head=False runs oneDNN on the table as stored instead. SmolLM2's tied
+        # head at 64 rows, bench/RESULTS.md: 171 against 140 GFLOP/s for 113 MB.
+        tied = head is None or cfg.tie_word_embeddings
+        if pack_tied_head and not (tied and packed_weights):
+            raise ValueError("pack_tied_head=True needs packed weights and a model whose LM head is its embedding table")
+        self.head_copy_bytes = 0
+        if head is not None and not tied:
             self.head = Projection(head, pack_rows=self.pack_rows)
+        elif packed_weights and pack_tied_head is not False:
+            self.head = Projection(self.embed, pack_rows=self.pack_rows)
+            self.head_copy_bytes = self.embed.numel() * self.embed.element_size()
+            self.weights_bytes += self.head_copy_bytes
+        else:
+            self.head = Projection(self.embed, onednn=packed_weights)
         self.blocks = []
         for i in range(cfg.num_layers):
             prefix = f"model.layers.{i}."
@@ -517,6 +530,7 @@ class ModelRunner:
         report = {
             "page_bytes": pool.page_bytes, "pages": pool.num_pages, "pool_bytes": pool.bytes,
             "block_size": self.block_size, "weights_bytes": self.weights_bytes,
+            "head_copy_bytes": self.head_copy_bytes,
             "kv_blocks_used": pool.kv_pages, "free_pages": pool.num_free, "largest_free_run": pool.largest_free_run(),
             "adapter_pages": pool.adapter_pages,
             "adapter_dtype": self.adapter_dtype_name,

@@ -148,6 +148,27 @@ def test_peft_adapter_on_packed_weights_matches_peft_generate(tiny_qwen2, tmp_pa
     assert ours == theirs and ours != greedy(runner, PROMPT, 32, slot=-1)
 
 
+@pytest.mark.skipif(not onednn_packing_available(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
+def test_tied_head_packed_as_a_copy_is_counted_and_gives_the_same_logits(tiny_qwen2, tiny_llama):
+    """A tied LM head is the embedding table: packing it for oneDNN makes a second copy, which the memory budget
+    pays for (the pool is that much smaller), and the logits do not change."""
+    budget = 64 << 20
+    packed = ModelRunner(tiny_qwen2, memory_bytes=budget, packed_weights=True)
+    as_stored = ModelRunner(tiny_qwen2, memory_bytes=budget, packed_weights=True, pack_tied_head=False)
+    table = packed.embed.numel() * packed.embed.element_size()
+    assert packed.head_copy_bytes == table > 0 and as_stored.head_copy_bytes == 0
+    assert packed.weights_bytes == as_stored.weights_bytes + table
+    assert packed.memory_report()["head_copy_bytes"] == table
+    assert packed.pool.bytes <= as_stored.pool.bytes - table + packed.pool.page_bytes  # the pool gave the copy up
+    a, b = Seq(packed, len(PROMPT) + 1), Seq(as_stored, len(PROMPT) + 1)
+    torch.testing.assert_close(packed.forward([a.step(PROMPT)]), as_stored.forward([b.step(PROMPT)]),
+                               atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="pack_tied_head"):  # nothing to pack: an untied head is packed anyway
+        ModelRunner(tiny_llama, pool_pages=64, packed_weights=True, pack_tied_head=True)
+    with pytest.raises(ValueError, match="pack_tied_head"):
+        ModelRunner(tiny_qwen2, pool_pages=64, packed_weights=False, pack_tied_head=True)
+
+
 def test_chunked_prefill_gives_the_same_logits(tiny_base):
     runner = ModelRunner(tiny_base, pool_pages=256)
     prompt = (PROMPT * 3)[:40]
