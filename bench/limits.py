@@ -258,6 +258,52 @@ class FleetCeiling:
                 "fleet_vs_base_at_most": self.at_measured_base, "fleet_vs_base_at_most_at_limit_goal": self.at_limit_goal}
 
 
+def kv_bytes_per_token(cfg, elem_bytes: int = 4) -> int:
+    """K and V of one token over every layer."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem_bytes
+
+
+def decode_kv_bytes(cfg, prompt_lens: list[int], new_tokens: list[int], elem_bytes: int = 4) -> int:
+    """The KV cache decode attention must read over a workload: in the step that makes a request's g-th generated
+    token (g = 2..G; the first comes out of its prefill) the request attends to all P + g - 1 positions before it
+    and its own, every layer. Prefill attention (a chunk's own keys, just computed) is left out."""
+    positions = sum((g - 1) * p + (g - 1) * g // 2 for p, g in zip(prompt_lens, new_tokens, strict=True))
+    return positions * kv_bytes_per_token(cfg, elem_bytes)
+
+
+@dataclass
+class BaseCeiling:
+    """How close a base-only pass can come to the fp32 limit on this host, from the KV cache it must read.
+
+    The limit counts only the GEMMs. Decode attention reads every running request's whole KV cache each step;
+    in a forward pass that runs its ops one after another on all cores (lorafleet, vLLM-CPU and HF all do) those
+    reads are time beyond the GEMMs', at best at the plain read's speed. Norms, RoPE, sampling and scheduling
+    are left out (they can only add), so this is an upper bound: of limit <= limit / (limit + kv_read_seconds)."""
+
+    kv_bytes: int
+    read_bytes_per_s: float
+    limit_seconds: float
+
+    @property
+    def kv_read_seconds(self) -> float:
+        return self.kv_bytes / self.read_bytes_per_s
+
+    @property
+    def of_limit_at_most(self) -> float:
+        return self.limit_seconds / (self.limit_seconds + self.kv_read_seconds)
+
+    def describe(self) -> str:
+        return (f"base-only ceiling: decode attention reads {self.kv_bytes / 1e9:.1f} GB of KV cache over the workload, "
+                f"{self.kv_read_seconds:.2f} s at the plain read's {self.read_bytes_per_s / 1e9:.1f} GB/s beyond the "
+                f"limit's {self.limit_seconds:.2f} s of GEMMs: base-only at most {self.of_limit_at_most:.2f} of the limit"
+                + (" (below the 0.90 goal)" if self.of_limit_at_most < 0.90 else ""))
+
+    def as_dict(self) -> dict:
+        return {"kv_bytes": self.kv_bytes, "read_gb_s": self.read_bytes_per_s / 1e9,
+                "kv_read_seconds": self.kv_read_seconds, "limit_seconds": self.limit_seconds,
+                "of_limit_at_most": self.of_limit_at_most}
+
+
 def best_of(a: GemmRates | None, b: GemmRates) -> GemmRates:
     """The faster of two measurements at the same row count (load only ever slows a GEMM down)."""
     return b if a is None or b.best > a.best else a

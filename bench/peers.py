@@ -437,9 +437,11 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
     import torch
 
     from bench.limits import (
+        BaseCeiling,
         FleetCeiling,
         adapter_bytes,
         best_of,
+        decode_kv_bytes,
         last_level_cache_bytes,
         measure_rates,
         read_bandwidth,
@@ -567,6 +569,10 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
                            base_seconds=best["lorafleet", "base"][0], limit_seconds=limit.seconds)
     print(f"  {ceiling.describe()}", flush=True)
     result["fleet_ceiling"] = ceiling.as_dict()
+    base_ceiling = BaseCeiling(kv_bytes=decode_kv_bytes(cfg, [len(p) for p in w.prompts], [w.new_tokens] * len(w.prompts)),
+                               read_bytes_per_s=read_bw, limit_seconds=limit.seconds)
+    print(f"  {base_ceiling.describe()}", flush=True)
+    result["base_ceiling"] = base_ceiling.as_dict()
     lf = result["systems"]["lorafleet"]
     goals = {"lorafleet base-only / vLLM base-only >= 1.0": None, "lorafleet base-only of the fp32 limit >= 0.90":
              (lf["base_of_limit"], 0.90), "lorafleet fleet / lorafleet base-only >= 0.85": (lf["fleet_vs_base"], 0.85),
