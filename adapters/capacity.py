@@ -372,13 +372,14 @@ def plan_pool(manifest: dict, *, budget_bytes: int, dtype: str = "fp32", block_s
     pool (protocol.memory.split_budget, exactly as ModelRunner sizes itself), and with `fleet` resident,
     the pages adapters take, the pages left for KV and the concurrent full-context sequences.
 
-    `device` only matters for the workspace: on CUDA the worker measures one forward pass and takes the
-    larger of that and this arithmetic, so a CUDA worker's pool may come out a little smaller than this.
+    `device` matters for the workspace (on CUDA the worker measures one forward pass and takes the larger of that
+    and this arithmetic, so a CUDA worker's pool may come out a little smaller than this) and, on a CPU in fp32,
+    for a tied LM head: the worker packs a copy of it (protocol.memory.packed_head_copy_bytes).
 
     `adapter_dtype` (run_worker --adapter-dtype): how resident adapters are stored, `dtype` by default; a
     16-bit one beside fp32 pages puts two adapter elements in each page element."""
     from protocol.lora_layout import ModelShape
-    from protocol.memory import BudgetTooSmall, plan_fleet, split_budget, workspace_bytes
+    from protocol.memory import BudgetTooSmall, packed_head_copy_bytes, plan_fleet, split_budget, workspace_bytes
 
     shape = ModelShape.from_config(manifest)
     db = dtype_bytes(dtype)
@@ -390,8 +391,12 @@ def plan_pool(manifest: dict, *, budget_bytes: int, dtype: str = "fp32", block_s
     workspace = workspace_bytes(shape, vocab_size=manifest["vocab_size"], max_batch_tokens=prefill_chunk + max_running,
                                 max_running=max_running, max_context=manifest["max_position_embeddings"],
                                 max_lora_rank=max_lora_rank, dtype_bytes=db, chunked_decode=device != "cuda")
+    # a CPU worker's packed copy of a tied LM head (ModelRunner's default there) is weights too
+    weights = base_parameters(manifest) * db + packed_head_copy_bytes(
+        vocab_size=manifest["vocab_size"], hidden_size=manifest["hidden_size"],
+        tied=bool(manifest.get("tie_word_embeddings")), device=device, dtype_bytes=db)
     try:
-        split = split_budget(budget_bytes=budget_bytes, weights_bytes=base_parameters(manifest) * db,
+        split = split_budget(budget_bytes=budget_bytes, weights_bytes=weights,
                              workspace_bytes=workspace, shape=shape, block_size=block_size, dtype_bytes=db)
     except BudgetTooSmall as exc:
         raise CapacityError(str(exc)) from None

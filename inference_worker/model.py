@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kernels import paged_decode_attention, rope_kv_write
 from kernels import rms_norm as native_rms_norm
 from protocol.lora_layout import ModelShape
-from protocol.memory import PoolSplit, page_elements, split_budget, workspace_bytes
+from protocol.memory import PACK_MIN_HIDDEN, PoolSplit, page_elements, split_budget, workspace_bytes
 
 from .kv_cache import PagedKVCache, blocks_needed
 from .lora import LoraPool, StepLora
@@ -214,10 +214,10 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-# oneDNN's packed GEMM against F.linear at 64 rows, bench/limits.py on this project's CPUs (2026-11-30): 246 vs 207
-# GFLOP/s on the mid model (hidden 1024), mixed on SmolLM2 (576; it wins at 512 rows), 54 vs 133 on the tiny
-# test and fallback-demo models (64): below this width the runner keeps F.linear unless asked to pack.
-PACK_MIN_HIDDEN = 512
+# PACK_MIN_HIDDEN (protocol.memory, where the capacity planner reads it too): oneDNN's packed GEMM against F.linear
+# at 64 rows, bench/limits.py on this project's CPUs (2026-11-30): 246 vs 207 GFLOP/s on the mid model (hidden
+# 1024), mixed on SmolLM2 (576; it wins at 512 rows), 54 vs 133 on the tiny test and fallback-demo models (64):
+# below this width the runner keeps F.linear unless asked to pack.
 
 
 class Projection:
@@ -437,8 +437,9 @@ class ModelRunner:
         # The LM head [vocab, hidden], packed like the projections. A tied head is the embedding table itself, which
         # the token lookup reads row by row and so must stay a plain tensor: packing it makes a second copy
         # (pack_tied_head, by default whenever the projections are packed), counted in weights_bytes so the pool
-        # gives up that much; pack_tied_head=False runs oneDNN on the table as stored instead. SmolLM2's tied
-        # head at 64 rows, bench/RESULTS.md: 171 against 140 GFLOP/s for 113 MB.
+        # gives up that much (protocol.memory.packed_head_copy_bytes: the planner's count of the same copy);
+        # pack_tied_head=False runs oneDNN on the table as stored instead. SmolLM2's tied head at 64 rows,
+        # bench/RESULTS.md: 171 against 140 GFLOP/s for 113 MB.
         tied = head is None or cfg.tie_word_embeddings
         if pack_tied_head and not (tied and packed_weights):
             raise ValueError("pack_tied_head=True needs packed weights and a model whose LM head is its embedding table")

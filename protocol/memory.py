@@ -26,6 +26,20 @@ GIB = 1 << 30
 ALIGN = 16  # elements: every adapter matrix starts on a multiple of this (64 B in fp32), for vector loads
 
 
+# A CPU worker in fp32 runs its GEMMs on oneDNN with weights packed once, for models at least this wide
+# (inference_worker.model: narrower ones ran faster on F.linear). A tied LM head is the embedding table, which the
+# token lookup reads row by row: packing it takes a second copy, paid from the budget like the weights.
+PACK_MIN_HIDDEN = 512
+
+
+def packed_head_copy_bytes(*, vocab_size: int, hidden_size: int, tied: bool, device: str, dtype_bytes: int) -> int:
+    """The bytes of that copy as a worker makes it by default (ModelRunner's pack_tied_head): vocab x hidden on a
+    CPU in fp32 for a tied model from PACK_MIN_HIDDEN on, else 0."""
+    if device != "cpu" or dtype_bytes != 4 or not tied or hidden_size < PACK_MIN_HIDDEN:
+        return 0
+    return int(vocab_size) * int(hidden_size) * dtype_bytes
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 

@@ -26,6 +26,14 @@ def tiny_qwen2(tmp_path_factory) -> Path:
                            tie_embeddings=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_tied_wide(tmp_path_factory) -> Path:
+    """Tied embeddings at the width (protocol.memory.PACK_MIN_HIDDEN) from which a CPU worker packs its weights for
+    oneDNN, and so packs a copy of the tied LM head; one layer and a small vocabulary keep it tiny."""
+    return build_tiny_base(tmp_path_factory.mktemp("tiny_tied_wide"), arch="llama", seed=4, hidden=512, layers=1,
+                           heads=8, kv_heads=2, intermediate=256, vocab=512, tie_embeddings=True)
+
+
 @pytest.fixture(params=["llama", "mistral", "qwen2"])
 def tiny_base(request) -> Path:
     """Each tiny architecture in turn."""

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save
 
 from inference_worker.engine import Engine
-from inference_worker.model import ModelRunner
+from inference_worker.model import ModelRunner, onednn_packing_available
 from protocol.jobs import AdapterRef, GenerationJob
 from protocol.lora_layout import ATTENTION_MODULES, TARGET_MODULES, ModelShape
 from protocol.memory import adapter_pages
@@ -113,12 +113,15 @@ def test_what_can_never_fit_is_refused_at_once(tiny_llama):
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("adapter_dtype", [None, "bfloat16"])
-def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numbers(tiny_llama, tmp_path,
+@pytest.mark.parametrize("base_fixture,adapter_dtype", [("tiny_llama", None), ("tiny_llama", "bfloat16"),
+                                                        ("tiny_tied_wide", None)])
+def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numbers(request, tmp_path, base_fixture,
                                                                                    adapter_dtype):
     """`manage.py capacity --memory-gb G --mix ...` prints the split a worker built with G reports in
     worker_status, and the adapter pages that fleet takes once resident; with `--adapter-dtype bfloat16`, those of
-    a worker with the 16-bit adapter pool (half as many)."""
+    a worker with the 16-bit adapter pool (half as many). A tied model wide enough for packed weights: the
+    worker's packed copy of its LM head is in both figures."""
+    tiny_llama = request.getfixturevalue(base_fixture)
     import json
     from io import StringIO
 
@@ -158,6 +161,8 @@ def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numb
         mem = runtime.status()["memory"]
     finally:
         engine.stop()
+    if base_fixture == "tiny_tied_wide" and onednn_packing_available(torch.device("cpu"), torch.float32):
+        assert runner.head_copy_bytes == 512 * 512 * 4 and mem["head_copy_bytes"] == runner.head_copy_bytes
     split, fleet = plan["split"], plan["fleet"]
     assert (mem["budget_bytes"], mem["weights_bytes"], mem["workspace_bytes"]) == \
         (split["budget_bytes"], split["weights_bytes"], split["workspace_bytes"])
