@@ -258,17 +258,16 @@ class FleetCeiling:
                 "fleet_vs_base_at_most": self.at_measured_base, "fleet_vs_base_at_most_at_limit_goal": self.at_limit_goal}
 
 
-def kv_bytes_per_token(cfg, elem_bytes: int = 4) -> int:
-    """K and V of one token over every layer."""
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem_bytes
-
-
 def decode_kv_bytes(cfg, prompt_lens: list[int], new_tokens: list[int], elem_bytes: int = 4) -> int:
     """The KV cache decode attention must read over a workload: in the step that makes a request's g-th generated
     token (g = 2..G; the first comes out of its prefill) the request attends to all P + g - 1 positions before it
     and its own, every layer. Prefill attention (a chunk's own keys, just computed) is left out."""
+    from protocol.lora_layout import ModelShape
+    from protocol.memory import page_elements
+
     positions = sum((g - 1) * p + (g - 1) * g // 2 for p, g in zip(prompt_lens, new_tokens, strict=True))
-    return positions * kv_bytes_per_token(cfg, elem_bytes)
+    # a page is one KV block of every layer (the pool's own arithmetic): one position of it is a token's K and V
+    return positions * cfg.num_layers * page_elements(ModelShape.from_config(cfg), 1) * elem_bytes
 
 
 @dataclass

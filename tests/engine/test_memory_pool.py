@@ -121,7 +121,7 @@ def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numb
     worker_status, and the adapter pages that fleet takes once resident; with `--adapter-dtype bfloat16`, those of
     a worker with the 16-bit adapter pool (half as many). A tied model wide enough for packed weights: the
     worker's packed copy of its LM head is in both figures."""
-    tiny_llama = request.getfixturevalue(base_fixture)
+    base_dir = request.getfixturevalue(base_fixture)
     import json
     from io import StringIO
 
@@ -130,7 +130,7 @@ def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numb
     from adapters.services import register_base_model
     from inference_worker.worker import WorkerRuntime
 
-    base = register_base_model("tinycap", tiny_llama, max_lora_rank=64)
+    base = register_base_model("tinycap", base_dir, max_lora_rank=64)
     gb, running, chunk = 0.05, 8, 32
     out = StringIO()
     call_command("capacity", "--base", base.slug, "--rank", "16", "--adapters", "1", "--gpu-gb", "1",
@@ -147,7 +147,7 @@ def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numb
             key = f"m{i}-{k}"
             blobs[key] = raw_adapter(shape, rank=rank, targets=targets, seed=10 * i + k)
             refs.append(ref_of(blobs[key], key, rank=rank, targets=targets))
-    runner = ModelRunner(tiny_llama, memory_bytes=int(gb * 1e9), max_running=running,
+    runner = ModelRunner(base_dir, memory_bytes=int(gb * 1e9), max_running=running,
                          max_batch_tokens=chunk + running, max_lora_rank=64,
                          adapter_dtype=getattr(torch, adapter_dtype) if adapter_dtype else None)
     engine = Engine(runner, blobs.__getitem__, max_running=running, prefill_chunk=chunk).start()
@@ -156,7 +156,7 @@ def test_capacity_agrees_with_worker_status_of_a_worker_built_from_the_same_numb
             assert engine.generate(GenerationJob(ref.name, ref, prompt_token_ids=PROMPT, max_tokens=2,
                                                  temperature=0.0), timeout=30).ok
         runtime = WorkerRuntime(base_slug=base.slug, base_sha256=base.sha256, queue=base.queue_name,
-                                checkpoint_path=str(tiny_llama), engine=engine, worker_id="w", device="cpu",
+                                checkpoint_path=str(base_dir), engine=engine, worker_id="w", device="cpu",
                                 concurrency=running)
         mem = runtime.status()["memory"]
     finally:
