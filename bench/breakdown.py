@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import resource
 import sys
 import time
 from pathlib import Path
@@ -63,6 +64,11 @@ def instrument(decode_rows: int) -> None:
                                   lambda self, out, x, layer, proj: "LoRA, decode steps" if x.shape[0] <= decode_rows
                                   else "LoRA, steps with a prefill")
     model_mod.Block.attend = timed(model_mod.Block.attend, lambda *a: "attention")
+    model_mod.Block._attend_decode = timed(model_mod.Block._attend_decode, lambda *a: "attention of decode tokens")
+    # a decode-only step's attention on the step's kernels (not inside Block.attend): counted in both buckets
+    step = model_mod.StepKernels
+    step.decode_attention = timed(timed(step.decode_attention, lambda *a: "attention of decode tokens"),
+                                  lambda *a: "attention")
     model_mod.ModelRunner.forward = timed(model_mod.ModelRunner.forward, lambda *a: "forward")
 
 
@@ -83,13 +89,18 @@ def main() -> None:
             seconds.clear()
             calls.clear()
             flops.clear()
+            before = resource.getrusage(resource.RUSAGE_SELF)
             wall, _ = engine.timed(mode)
+            after = resource.getrusage(resource.RUSAGE_SELF)
             gemm = sum(v for k, v in seconds.items() if k.startswith("GEMM"))
             lora = sum(v for k, v in seconds.items() if k.startswith("LoRA"))
             fwd, attn = seconds["forward"], seconds["attention"]
             print(f"{args.workload} {mode:5s} wall {wall:6.2f} s ({generated / wall:6.1f} tok/s): forward {fwd:6.2f} = "
                   f"GEMMs {gemm:5.2f} + LoRA {lora:5.2f} + attention {attn:5.2f} + rest {fwd - gemm - lora - attn:5.2f}; "
-                  f"outside the forward {wall - fwd:5.2f}", flush=True)
+                  f"outside the forward {wall - fwd:5.2f}; {after.ru_minflt - before.ru_minflt} page faults, "
+                  f"{after.ru_stime - before.ru_stime:5.2f} s in the kernel", flush=True)
+            print(f"    attention of decode tokens  {seconds['attention of decode tokens']:6.2f} s, "
+                  f"{calls['attention of decode tokens']:6d} calls", flush=True)
             for k in sorted(seconds):
                 if k.startswith(("GEMM", "LoRA")):
                     rate = f", {flops[k] / seconds[k] / 1e9:6.1f} GFLOP/s" if flops[k] else ""

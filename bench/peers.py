@@ -277,7 +277,7 @@ class Lorafleet:
     (adapters resident: the fleet's steady state), as bench/engine.py's EngineRun."""
 
     def __init__(self, w: Workload, packed_weights: bool | None = None, adapter_dtype=None,
-                 pack_tied_head: bool | None = None):
+                 pack_tied_head: bool | None = None, step_kernels: bool | None = None):
         import hashlib
 
         from bench.engine import ALL_TARGETS
@@ -304,6 +304,8 @@ class Lorafleet:
             kw["adapter_dtype"] = adapter_dtype
         if pack_tied_head is not None:
             kw["pack_tied_head"] = pack_tied_head
+        if step_kernels is not None:
+            kw["step_kernels"] = step_kernels
         probe = ModelRunner(w.base, pool_pages=1, max_lora_rank=w.max_rank, enable_lora=True,
                             **{k: v for k, v in kw.items() if k == "adapter_dtype"})
         pages = kv_pages + sum(probe.lora.pages_for(w.ranks[a], ALL_TARGETS) for a in set(w.adapter_of))
@@ -642,6 +644,14 @@ def tied_head_ab(name: str, workdir: Path, rounds: int) -> dict:
     return _alternating(w, engines, rounds, "the tied LM head packed (a copy) vs as stored")
 
 
+def step_kernels_ab(name: str, workdir: Path, rounds: int) -> dict:
+    """lorafleet with each step's small ops on kernels.StepKernels (the default) against the per-call wrappers and
+    torch's silu * up (step_kernels=False), base-only and fleet, passes alternating; best of `rounds`."""
+    w = WORKLOADS[name](workdir)
+    engines = {"step": Lorafleet(w, step_kernels=True), "per_call": Lorafleet(w, step_kernels=False)}
+    return _alternating(w, engines, rounds, "the layers' small ops on the step's kernels vs per call")
+
+
 def adapter_dtype_ab(name: str, workdir: Path, rounds: int) -> dict:
     """lorafleet with its adapters stored in fp32 (the default) against the 16-bit adapter pool (fp16, bf16),
     base-only and fleet, the engines' passes alternating; best of `rounds`. Each 16-bit pool's greedy tokens are
@@ -658,12 +668,14 @@ def _alternating(w: Workload, engines: dict, rounds: int, title: str) -> dict:
     """Best-of-`rounds` tok/s of each engine, base-only and fleet, passes alternating; tokens against the first's."""
     generated = len(w.prompts) * w.new_tokens
     best: dict[tuple[str, str], tuple[float, list]] = {}
+    walls: dict[tuple[str, str], list[float]] = {}
     print(f"\n== {w.name}: lorafleet, {title}, passes alternating ==")
     for rnd in range(rounds):
         for mode in ("base", "fleet"):
             for label, eng in engines.items():
                 l0 = load()
                 wall, tokens = eng.timed(mode)
+                walls.setdefault((label, mode), []).append(wall)
                 print(f"  round {rnd + 1} {mode:5s} {label:8s} {generated / wall:8.1f} tok/s  (load average {l0:.1f} -> "
                       f"{load():.1f})", flush=True)
                 if (label, mode) not in best or wall < best[label, mode][0]:
@@ -679,8 +691,12 @@ def _alternating(w: Workload, engines: dict, rounds: int, title: str) -> dict:
         for label in others:
             wl, tl = best[label, mode]
             same = sum(a == b for a, b in zip(t0, tl, strict=True))
-            out[mode].update({f"{label}_tok_s": generated / wl, f"{label}_speedup": w0 / wl, f"{label}_same": same})
-            line.append(f"{label} {generated / wl:.1f} tok/s ({w0 / wl:.2f}x, same greedy tokens {same}/{len(tl)})")
+            paired = [a / b for a, b in zip(walls[label, mode], walls[first, mode], strict=True)]  # first's speed-up
+            out[mode].update({f"{label}_tok_s": generated / wl, f"{label}_speedup": w0 / wl, f"{label}_same": same,
+                              f"{first}_vs_{label}_by_round": paired})
+            line.append(f"{label} {generated / wl:.1f} tok/s ({w0 / wl:.2f}x, same greedy tokens {same}/{len(tl)}; "
+                        f"{first} / {label} round by round {', '.join(f'{r:.2f}' for r in paired)}, "
+                        f"median {statistics.median(paired):.2f})")
         print(f"{mode:5s}: " + ", ".join(line), flush=True)
     for label in engines:
         ratio = best[label, "base"][0] / best[label, "fleet"][0]
@@ -708,14 +724,17 @@ def run_main(argv: list[str]) -> None:
                     help="only lorafleet: adapters stored in fp32 vs the 16-bit adapter pool (fp16, bf16)")
     ap.add_argument("--tied-head-ab", action="store_true",
                     help="only lorafleet: a tied LM head packed into a copy vs oneDNN on the table as stored")
+    ap.add_argument("--step-kernels-ab", action="store_true",
+                    help="only lorafleet: the layers' small ops on the step's kernels (kernels.StepKernels) vs per call")
     args = ap.parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch "
           f"{torch.__version__}, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', 'default')}; load average {load():.1f}", flush=True)
-    if args.packing_ab or args.adapter_dtype_ab or args.tied_head_ab:
-        ab = packing_ab if args.packing_ab else tied_head_ab if args.tied_head_ab else adapter_dtype_ab
+    if args.packing_ab or args.adapter_dtype_ab or args.tied_head_ab or args.step_kernels_ab:
+        ab = (packing_ab if args.packing_ab else tied_head_ab if args.tied_head_ab
+              else step_kernels_ab if args.step_kernels_ab else adapter_dtype_ab)
         out = [ab(name, workdir, args.rounds) for name in args.workloads.split(",")]
         print(f"load average at end {load():.1f}")
         if args.json:

@@ -6,7 +6,9 @@ fused), plus the batched LoRA term from `kernels.add_lora` with one mapping per 
 batched too: all decode tokens of the step attend in one call — on CPU in fp32 a native kernel reading K/V
 in place from the pages (`kernels.paged_decode_attention`), elsewhere SDPA over a padded gather of their
 KV blocks (`[kv_heads, B, L, head_dim]`); prefill chunks attend one sequence at a time through SDPA (a
-chunk is already a big matrix, and prefill is rarer than decode).
+chunk is already a big matrix, and prefill is rarer than decode). On CPU in fp32 the small ops between a layer's
+GEMMs (RMSNorm, RoPE with the KV write, decode attention, SwiGLU's gate) go through one `kernels.StepKernels` per
+step: buffers and shapes set up once for all layers, each call one ctypes call on integers.
 
 nanoGPT shape: a config dataclass, one block class, one model class; weights read straight from the
 checkpoint's *.safetensors with Hugging Face's tensor names. Django-free.
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_decode_attention, rope_kv_write
+from kernels import StepKernels, paged_decode_attention, rope_kv_write
 from kernels import rms_norm as native_rms_norm
 from protocol.lora_layout import ModelShape
 from protocol.memory import PACK_MIN_HIDDEN, PoolSplit, page_elements, split_budget, workspace_bytes
@@ -206,6 +208,7 @@ class StepContext:
     decode: _Decode | None
     prefills: list[_Prefill]
     lora: StepLora | None
+    native: StepKernels | None = None  # CPU fp32: the layers' small ops on buffers allocated once for the step
 
 
 def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -288,10 +291,13 @@ class Block:
         self.window = cfg.sliding_windows[layer]
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        cfg, lora, layer = self.cfg, ctx.lora, self.layer
+        cfg, lora, layer, native = self.cfg, ctx.lora, self.layer, ctx.native
         T = x.shape[0]
         # --- attention ---
-        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)  # [T, hidden]
+        if native is not None:  # [T, hidden]
+            h = native.norm(x, self.input_norm)
+        else:
+            h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         qkv = self.qkv(h)  # [T, q_dim + 2 kv_dim]
         q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
         if lora is not None:
@@ -301,28 +307,35 @@ class Block:
         # q and k rotated in one go: [T, H + KV, hd]; the rotated keys and the values stored in the KV cache
         kv = self.runner.kv
         qk = None
-        if self.runner.native_attention:  # CPU fp32: one native pass for both
+        if native is not None:
+            qk = native.rope_kv(qkv, layer)
+        elif self.runner.native_attention:  # CPU fp32: one native pass for both
             qk = rope_kv_write(qkv, ctx.cos, ctx.sin, kv.pages(layer), ctx.write_rows, heads=cfg.num_heads,
                                kv_heads=cfg.num_kv_heads, block_size=kv.block_size, threads=torch.get_num_threads())
         if qk is None:
             qk = apply_rope(qkv[:, :k_end].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
             kv.write(layer, ctx.write_rows, qk[:, cfg.num_heads:], qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim))
-        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]  # [T, H, hd], [T, KV, hd]
-        v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, hd]
-        y = self.attend(q, k, v, ctx)  # [T, q_dim]
+        y = native.decode_attention(layer, self.window) if native is not None else None  # a step of decode tokens only
+        if y is None:
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]  # [T, H, hd], [T, KV, hd]
+            v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, hd]
+            y = self.attend(q, k, v, ctx)  # [T, q_dim]
         # Residual adds fused into the GEMMs (x + y @ W_o^T): no [T, hidden] temporary and no separate add pass.
         # x is this forward's own activation (never a weight).
         x = self.o.add_to(x, y)
         if lora is not None:
             lora.add(x, y, layer, "o_proj")
         # --- MLP ---
-        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        h = native.norm(x, self.post_norm) if native is not None else rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gu = self.gate_up(h)  # [T, 2 * intermediate]
         inter = cfg.intermediate_size
         if lora is not None:
             lora.add(gu[:, :inter], h, layer, "gate_proj")
             lora.add(gu[:, inter:], h, layer, "up_proj")
-        a = F.silu(gu[:, :inter]).mul_(gu[:, inter:])  # [T, intermediate]
+        if native is not None:
+            a = native.swiglu(gu)  # [T, intermediate]
+        else:
+            a = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
         x = self.down.add_to(x, a)  # x + a @ W_down^T
         if lora is not None:
             lora.add(x, a, layer, "down_proj")
@@ -400,7 +413,7 @@ class ModelRunner:
                  enable_lora: bool = True, memory_bytes: int | None = None, pool_pages: int | None = None,
                  max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0,
                  packed_weights: bool | None = None, adapter_dtype: torch.dtype | None = None,
-                 pack_tied_head: bool | None = None) -> None:
+                 pack_tied_head: bool | None = None, step_kernels: bool = True) -> None:
         from transformers import AutoTokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -429,6 +442,10 @@ class ModelRunner:
         # Decode attention on CPU in fp32 reads K/V in place from the pages (kernels/csrc/sgmv_cpu.c) instead of
         # gathering them for SDPA; False (or LORAFLEET_KERNELS_NATIVE=0, or no C compiler) keeps the gather.
         self.native_attention = self.device.type == "cpu" and self.dtype == torch.float32
+        # ...and with it each layer's RMSNorms, RoPE + KV write, decode attention and SwiGLU's gate go through one
+        # kernels.StepKernels per step (buffers and shapes set up once for all layers, each call a ctypes call on
+        # integers); False keeps the per-call wrappers and torch's silu * up (A/B: bench/peers.py --step-kernels-ab).
+        self.step_kernels = step_kernels
         w = self._read_weights()
         self.weights_bytes = sum(t.numel() * t.element_size() for t in w.values())
         self.embed = w.pop("model.embed_tokens.weight")  # [vocab, hidden]
@@ -657,9 +674,19 @@ class ModelRunner:
         lora = self.lora.mapping(slots) if self.lora is not None else None
         if self.lora is None and any(s >= 0 for s in slots):
             raise ValueError("LoRA slot requested but the runner was built with enable_lora=False")
-        ctx = StepContext(cos=cos, sin=sin,
-                          write_rows=torch.tensor(write_rows, dtype=torch.int64, device=dev),
-                          decode=decode, prefills=prefills, lora=lora)
+        rows_t = torch.tensor(write_rows, dtype=torch.int64, device=dev)
+        native = None
+        if self.native_attention and self.step_kernels:  # CPU fp32 (None where the native library is not there)
+            decode_only = decode if decode is not None and decode.index is None else None
+            native = StepKernels.build(
+                rows=len(tokens), hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_heads,
+                kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=bs, eps=cfg.rms_norm_eps, cos=cos,
+                sin_signed=sin, write_rows=rows_t, layer_pages=[self.kv.pages(i) for i in range(cfg.num_layers)],
+                decode_blocks=decode_only.blocks if decode_only else None,
+                decode_lens=decode_only.lens if decode_only else None,
+                scale=1.0 / math.sqrt(cfg.head_dim), threads=torch.get_num_threads())
+        ctx = StepContext(cos=cos, sin=sin, write_rows=rows_t, decode=decode, prefills=prefills, lora=lora,
+                          native=native)
         return torch.tensor(tokens, dtype=torch.int64, device=dev), ctx, last
 
     def forward(self, steps: list[SeqStep]) -> torch.Tensor:

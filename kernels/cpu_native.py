@@ -65,6 +65,12 @@ _ROPE_ARGTYPES = (
 )
 
 
+_SWIGLU_ARGTYPES = (
+    _i64, _i64, _p, _i64,  # rows T, intermediate width n, gu [T, >= 2n], its row stride
+    _p, _i64, ctypes.c_int,  # out [T, n], its row stride, threads
+)
+
+
 def _cache_dir() -> Path:
     default = Path(__file__).resolve().parent.parent / "var" / "kernels"
     return Path(os.environ.get("LORAFLEET_KERNELS_CACHE", default))
@@ -137,6 +143,8 @@ def load() -> ctypes.CDLL | None:
         lib.rms_norm_f32.restype = None
         lib.rope_kv_write_f32.argtypes = _ROPE_ARGTYPES
         lib.rope_kv_write_f32.restype = ctypes.c_int
+        lib.swiglu_f32.argtypes = _SWIGLU_ARGTYPES
+        lib.swiglu_f32.restype = None
         _lib = lib
     return _lib
 
@@ -214,3 +222,119 @@ def rope_kv_write(qkv, cos, sin_signed, pages, rows, *, heads: int, kv_heads: in
     if rc != 0:
         raise IndexError(f"a KV row is outside the layer's {pages.shape[0]} pages of {block_size} positions")
     return qk
+
+
+def swiglu(gu, n: int, *, threads: int):
+    """SwiGLU's gate of fp32 rows gu [T, >= 2n] (gate columns, then up columns; each row contiguous):
+    silu(gu[:, :n]) * gu[:, n:2n] in one pass -> a new [T, n] tensor; None when the native library or this
+    tensor is not covered (the caller then uses torch ops)."""
+    import torch
+
+    lib = load()
+    if (lib is None or gu.dtype != torch.float32 or gu.device.type != "cpu" or gu.dim() != 2 or gu.stride(1) != 1
+            or gu.shape[1] < 2 * n):
+        return None
+    out = torch.empty(gu.shape[0], n, dtype=gu.dtype)
+    lib.swiglu_f32(gu.shape[0], n, gu.data_ptr(), gu.stride(0), out.data_ptr(), n, threads)
+    return out
+
+
+class StepKernels:
+    """One forward step's native calls (CPU, fp32), with what every layer shares worked out once.
+
+    Between its GEMMs a decoder layer runs a few small ops: RMSNorm, RoPE with the KV write, decode attention,
+    SwiGLU's gate. Each GEMM streams megabytes of weights through the caches, so the call path of the op after
+    it (Python, torch's tensor accessors and allocator, ctypes) starts cold: on this project's 2-CPU host the
+    RMSNorm wrapper above took 143 us after a 48 MB read against 36 us warm, while the kernel itself, called on
+    integers into an output allocated beforehand, took 40 us cold (bench/RESULTS.md). Here the step's
+    activations (RMSNorm's output, q and k rotated, the decode attention's output, SwiGLU's output) are
+    allocated once for all layers and the shapes checked once; each layer's call is one ctypes call on
+    integers and the data pointers of the GEMMs' outputs.
+
+    Every method returns one of the step's buffers, which the next layer's call of the same method overwrites:
+    a caller is done with it by then (a layer reads its norm's output in its GEMM and LoRA terms, and so on).
+    `build` returns None where the library or the tensors are not covered; the caller then uses the wrappers
+    above, or torch.
+    """
+
+    @classmethod
+    def build(cls, *, rows: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+              block_size: int, eps: float, cos, sin_signed, write_rows, layer_pages: list,
+              decode_blocks=None, decode_lens=None, scale: float = 1.0, threads: int = 1) -> StepKernels | None:
+        """cos, sin_signed [T, 1, hd] or [T, hd], write_rows int64 [T], layer_pages each layer's
+        [P, 2 kv_heads, block_size * hd]; decode_blocks int64 [T, nb] and decode_lens int64 [T] when every token
+        of the step is a decode token (decode_attention is then available)."""
+        import torch
+
+        lib = load()
+        if (lib is None or head_dim % 2 or heads % kv_heads or not layer_pages
+                or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                       for t in (cos, sin_signed, *layer_pages))
+                or cos.numel() != rows * head_dim or sin_signed.numel() != rows * head_dim
+                or write_rows.dtype != torch.int64 or not write_rows.is_contiguous() or write_rows.numel() != rows
+                or any(p.shape != layer_pages[0].shape for p in layer_pages)
+                or layer_pages[0].shape[1:] != (2 * kv_heads, block_size * head_dim)):
+            return None
+        decode_only = (decode_blocks is not None and decode_lens is not None
+                       and decode_blocks.dtype == torch.int64 and decode_lens.dtype == torch.int64
+                       and decode_blocks.is_contiguous() and decode_lens.is_contiguous()
+                       and decode_blocks.shape[0] == rows and decode_lens.numel() == rows)
+        return cls(lib, rows=rows, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
+                   head_dim=head_dim, block_size=block_size, eps=eps, scale=scale, threads=threads, cos=cos,
+                   sin_signed=sin_signed, write_rows=write_rows, layer_pages=layer_pages,
+                   decode=(decode_blocks, decode_lens) if decode_only else None)
+
+    def __init__(self, lib: ctypes.CDLL, *, rows: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
+                 head_dim: int, block_size: int, eps: float, scale: float, threads: int, cos, sin_signed, write_rows,
+                 layer_pages: list, decode: tuple | None) -> None:
+        """What `build` checked; use `build`."""
+        import torch
+
+        self.lib, self.T, self.hidden, self.inter = lib, rows, hidden, intermediate
+        self.H, self.KV, self.hd, self.bs = heads, kv_heads, head_dim, block_size
+        self.eps, self.scale, self.threads = float(eps), float(scale), int(threads)
+        self.h = torch.empty(rows, hidden)
+        self.qk = torch.empty(rows, heads + kv_heads, head_dim)
+        self.a = torch.empty(rows, intermediate)
+        self.y = torch.empty(rows, heads * head_dim) if decode is not None else None
+        self._cos, self._sin, self._rows = cos.data_ptr(), sin_signed.data_ptr(), write_rows.data_ptr()
+        self._pages = [p.data_ptr() for p in layer_pages]
+        self._page_stride, self._num_pages = layer_pages[0].stride(0), layer_pages[0].shape[0]
+        self._qkv_stride = (heads + 2 * kv_heads) * head_dim
+        self._blocks = self._nb = self._lens = 0
+        if decode is not None:
+            self._blocks, self._nb, self._lens = decode[0].data_ptr(), decode[0].shape[1], decode[1].data_ptr()
+        self._keep = (cos, sin_signed, write_rows, decode, layer_pages)  # what the pointers point into
+
+    def norm(self, x, weight):
+        """RMSNorm of the step's activations x [T, hidden] (contiguous) by weight [hidden] -> the step's `h`."""
+        self.lib.rms_norm_f32(self.T, self.hidden, x.data_ptr(), self.hidden, weight.data_ptr(), self.h.data_ptr(),
+                              self.hidden, self.eps, self.threads)
+        return self.h
+
+    def rope_kv(self, qkv, layer: int):
+        """RoPE and the KV write (rope_kv_write) of the fused q/k/v GEMM's output [T, q + 2 kv] (contiguous)
+        into `layer`'s pages -> the step's `qk` [T, heads + kv_heads, hd]."""
+        rc = self.lib.rope_kv_write_f32(self.T, qkv.data_ptr(), self._qkv_stride, self.H, self.KV, self.hd,
+                                        self._cos, self._sin, self.hd, self.qk.data_ptr(), self._pages[layer],
+                                        self._page_stride, self._num_pages, self._rows, self.bs, self.threads)
+        if rc != 0:
+            raise IndexError(f"a KV row is outside the layer's {self._num_pages} pages of {self.bs} positions")
+        return self.qk
+
+    def decode_attention(self, layer: int, window: int | None):
+        """Decode attention of the step's rotated queries (from rope_kv) over `layer`'s pages -> the step's `y`
+        [T, heads * hd]; None when the step is not all decode tokens or the shapes are beyond the kernel."""
+        if self.y is None:
+            return None
+        rc = self.lib.paged_decode_attention_f32(
+            self.T, self.qk.data_ptr(), (self.H + self.KV) * self.hd, self._pages[layer], self._page_stride,
+            self._blocks, self._nb, self._lens, self.y.data_ptr(), self.H * self.hd, self.KV, self.H // self.KV,
+            self.hd, self.bs, window or 0, self.scale, self.threads)
+        return self.y if rc == 0 else None
+
+    def swiglu(self, gu):
+        """SwiGLU's gate of the fused gate/up GEMM's output [T, 2 intermediate] (contiguous) -> the step's `a`."""
+        self.lib.swiglu_f32(self.T, self.inter, gu.data_ptr(), 2 * self.inter, self.a.data_ptr(), self.inter,
+                            self.threads)
+        return self.a

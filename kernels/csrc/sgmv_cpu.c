@@ -539,3 +539,35 @@ int rope_kv_write_f32(int64_t T, const float *qkv, int64_t sqkv, int64_t H, int6
     parallel_for_team(rope_unit, &a, (T + per - 1) / per, nthreads);
     return 0;
 }
+
+/* ---- SwiGLU's gate --------------------------------------------------------------------------------------
+ * out[t, c] = silu(gu[t, c]) * gu[t, n + c] = gu[t, c] / (1 + exp(-gu[t, c])) * gu[t, n + c], fp32, for the
+ * fused gate/up GEMM's output (gate columns, then up columns). torch ran it as two ops (silu, then mul_),
+ * each its own OpenMP region and its own pass over the rows. exp's argument is capped at 88 (exp(88) < FLT_MAX):
+ * -ffast-math divides by way of a reciprocal whose refinement turns 1 / inf into NaN, where the cap gives the
+ * ~0 torch gives for a gate far below zero. Rows in chunks over the team from SWIGLU_TEAM_MIN
+ * elements (an exp per element repays a team sooner than RMSNorm's multiply-adds), else on the calling thread. */
+typedef struct {
+    const float *gu;
+    float *out;
+    int64_t sg, so, n, rows_per_unit, T;
+} swiglu_args;
+
+static void swiglu_unit(const void *args, int64_t unit) {
+    const swiglu_args *a = (const swiglu_args *)args;
+    const int64_t t1 = min64(a->T, (unit + 1) * a->rows_per_unit), n = a->n;
+    for (int64_t t = unit * a->rows_per_unit; t < t1; t++) {
+        const float *g = a->gu + t * a->sg, *u = g + n;
+        float *o = a->out + t * a->so;
+        #pragma omp simd
+        for (int64_t c = 0; c < n; c++) o[c] = g[c] / (1.f + expf(fminf(-g[c], 88.f))) * u[c];
+    }
+}
+
+#define SWIGLU_TEAM_MIN (1 << 16)
+
+void swiglu_f32(int64_t T, int64_t n, const float *gu, int64_t sg, float *out, int64_t so, int nthreads) {
+    const int64_t per = T * n >= SWIGLU_TEAM_MIN && nthreads > 1 ? (T + 2 * nthreads - 1) / (2 * nthreads) : (T > 0 ? T : 1);
+    swiglu_args a = {gu, out, sg, so, n, per, T};
+    parallel_for_team(swiglu_unit, &a, (T + per - 1) / per, nthreads);
+}

@@ -1,17 +1,37 @@
-"""The runner's decode attention on CPU reads K/V in place from the pages (kernels.paged_decode_attention);
-with it switched off the runner gathers them for SDPA. A decode step of sequences of different lengths gives
-the same logits either way, with full attention and with a sliding window (set on the runner: the tiny bases
-have none)."""
+"""The runner's decode attention on CPU reads K/V in place from the pages (kernels.paged_decode_attention, or the
+step's kernels.StepKernels); with it switched off the runner gathers them for SDPA. A decode step of sequences of
+different lengths gives the same logits either way, with full attention and with a sliding window (set on the
+runner: the tiny bases have none). The layers' other small ops (RMSNorm, RoPE with the KV write, SwiGLU's gate)
+run natively too, through the step's kernels, and give what the per-call wrappers and torch give."""
 import dataclasses
 
 import pytest
 import torch
 
+import inference_worker.model as model
 from inference_worker.model import ModelRunner, SeqStep
+from kernels import StepKernels
+
+
+def count_calls(monkeypatch, owner, name: str, *, non_none: bool = False) -> list:
+    """Wrap owner.name so each call (each call that returned something, with non_none) appends to the list."""
+    calls, real = [], getattr(owner, name)
+
+    def wrapper(*a, **k):
+        out = real(*a, **k)
+        if out is not None or not non_none:
+            calls.append(1)
+        return out
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
 
 
 @pytest.mark.parametrize("base,window", [("tiny_llama", None), ("tiny_mistral", None), ("tiny_llama", 20)])
-def test_decode_logits_are_the_same_read_in_place_or_gathered(base, window, request):
+@pytest.mark.parametrize("step_kernels", [True, False])
+def test_decode_logits_are_the_same_read_in_place_or_gathered(base, window, step_kernels, request, monkeypatch):
+    if not step_kernels:  # the per-call wrapper (kernels.paged_decode_attention) instead
+        monkeypatch.setattr(model.StepKernels, "build", classmethod(lambda cls, **kw: None))
     runner = ModelRunner(request.getfixturevalue(base), pool_pages=128, enable_lora=False)
     assert runner.native_attention
     if window is not None:
@@ -28,50 +48,68 @@ def test_decode_logits_are_the_same_read_in_place_or_gathered(base, window, requ
     runner.forward([SeqStep(t, 0, p) for t, p in zip(tables, prompts, strict=True)])
     decode = [SeqStep(t, n, [5 + i]) for i, (t, n) in enumerate(zip(tables, lengths, strict=True))]
 
-    calls = []
-    import inference_worker.model as model
-
-    real = model.paged_decode_attention
-    model.paged_decode_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
+    with monkeypatch.context() as m:
+        if step_kernels:
+            calls = count_calls(m, StepKernels, "decode_attention", non_none=True)
+        else:
+            calls = count_calls(m, model, "paged_decode_attention", non_none=True)
         in_place = runner.forward(decode)
-    finally:
-        model.paged_decode_attention = real
     assert len(calls) == runner.config.num_layers  # every layer read the pages in place
     runner.native_attention = False
     gathered = runner.forward(decode)  # the same step again: writes the same K/V, reads them by gathering
     torch.testing.assert_close(in_place, gathered, rtol=1e-4, atol=1e-4)
 
 
-def test_the_runners_layers_normalise_natively(tiny_llama):
-    import inference_worker.model as model
-
+def test_the_runners_layers_normalise_natively(tiny_llama, monkeypatch):
     runner = ModelRunner(tiny_llama, pool_pages=16, enable_lora=False)
-    calls = []
-    real = model.native_rms_norm
-    model.native_rms_norm = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        runner.forward([SeqStep([0, 1], 0, [3, 5, 7])])
-    finally:
-        model.native_rms_norm = real
-    assert len(calls) == 2 * runner.config.num_layers + 1  # two per layer and the final norm
+    in_layers = count_calls(monkeypatch, StepKernels, "norm")
+    per_call = count_calls(monkeypatch, model, "native_rms_norm")
+    runner.forward([SeqStep([0, 1], 0, [3, 5, 7])])
+    assert len(in_layers) == 2 * runner.config.num_layers  # two per layer, on the step's kernels
+    assert len(per_call) == 1  # and the final norm
+
+    monkeypatch.setattr(model.StepKernels, "build", classmethod(lambda cls, **kw: None))
+    runner.forward([SeqStep([2, 3], 0, [3, 5, 7])])
+    assert len(per_call) == 1 + 2 * runner.config.num_layers + 1  # without them, the wrapper for every norm
 
 
-def test_the_runners_layers_rotate_and_store_keys_natively(tiny_llama):
-    """The native pass (kernels.rope_kv_write) stores what the torch path stores: the same prompt's next-token
-    logits with the kernel on and off."""
-    import inference_worker.model as model
-
-    calls = []
-    real = model.rope_kv_write
+def test_the_runners_layers_rotate_and_store_keys_natively(tiny_llama, monkeypatch):
+    """The native pass (the step's kernels, or kernels.rope_kv_write) stores what the torch path stores: the same
+    prompt's next-token logits with the kernel on and off."""
+    calls = count_calls(monkeypatch, StepKernels, "rope_kv")
     results = []
     for native in (True, False):
         runner = ModelRunner(tiny_llama, pool_pages=16, enable_lora=False)
-        model.rope_kv_write = (lambda *a, **k: calls.append(1) or real(*a, **k)) if native else (lambda *a, **k: None)
-        try:
+        with monkeypatch.context() as m:
+            if not native:  # neither the step's kernels nor the per-call wrapper: torch's RoPE and index_put
+                m.setattr(model.StepKernels, "build", classmethod(lambda cls, **kw: None))
+                m.setattr(model, "rope_kv_write", lambda *a, **k: None)
             runner.forward([SeqStep([0, 1], 0, [3, 5, 7, 9, 11])])
             results.append(runner.forward([SeqStep([0, 1], 5, [13])]))  # attends to the stored keys and values
-        finally:
-            model.rope_kv_write = real
-    assert len(calls) == 2 * runner.config.num_layers  # every layer of both steps
+    assert len(calls) == 2 * runner.config.num_layers  # every layer of both native steps
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("base", ["tiny_llama", "tiny_mistral"])
+def test_a_mixed_step_and_a_decode_step_are_the_same_with_the_steps_kernels_or_without(base, request, monkeypatch):
+    """A step carrying a prompt chunk beside decode tokens, then a decode-only step: the same logits from the
+    step's kernels (buffers shared by the layers, SwiGLU's gate native) as from the per-call wrappers and torch's
+    silu * up, so a buffer a layer reuses never leaks into the next layer's result."""
+    steps = []
+    tables = [list(range(0, 3)), list(range(3, 6)), list(range(6, 9))]
+    prompts = [[(5 * i + 7 * k) % 300 + 1 for k in range(n)] for i, n in enumerate([9, 20, 33])]
+    first = [SeqStep(tables[0], 0, prompts[0]), SeqStep(tables[1], 0, prompts[1])]
+    mixed = [SeqStep(tables[0], 9, [11]), SeqStep(tables[1], 20, [12]), SeqStep(tables[2], 0, prompts[2])]
+    decode = [SeqStep(tables[0], 10, [13]), SeqStep(tables[1], 21, [14]), SeqStep(tables[2], 33, [15])]
+    results = []
+    for step_kernels in (True, False):
+        runner = ModelRunner(request.getfixturevalue(base), pool_pages=16, enable_lora=False)
+        with monkeypatch.context() as m:
+            swiglus = count_calls(m, StepKernels, "swiglu")
+            if not step_kernels:
+                m.setattr(model.StepKernels, "build", classmethod(lambda cls, **kw: None))
+            results.append([runner.forward(s) for s in (first, mixed, decode)])
+            steps.append(len(swiglus))
+    assert steps == [3 * runner.config.num_layers, 0]
+    for with_kernels, without in zip(*results, strict=True):
+        torch.testing.assert_close(with_kernels, without, rtol=1e-5, atol=1e-5)
