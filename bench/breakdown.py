@@ -65,10 +65,10 @@ def instrument(decode_rows: int) -> None:
                                   else "LoRA, steps with a prefill")
     model_mod.Block.attend = timed(model_mod.Block.attend, lambda *a: "attention")
     model_mod.Block._attend_decode = timed(model_mod.Block._attend_decode, lambda *a: "attention of decode tokens")
-    # a decode-only step's attention on the step's kernels (not inside Block.attend): counted in both buckets
+    # a step's attention on the step's kernels (not inside Block.attend): of decode tokens when the step has no prompt
     step = model_mod.StepKernels
-    step.decode_attention = timed(timed(step.decode_attention, lambda *a: "attention of decode tokens"),
-                                  lambda *a: "attention")
+    step.attention = timed(timed(step.attention, lambda self, *a: "attention of decode tokens" if self.T <= decode_rows
+                                 else "attention, steps with a prompt"), lambda *a: "attention")
     model_mod.ModelRunner.forward = timed(model_mod.ModelRunner.forward, lambda *a: "forward")
 
 

@@ -217,6 +217,13 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+# A prompt chunk attends on the step's kernels (each of its tokens a query over the sequence's pages, as a decode
+# token does) when its context is at most this long; a longer one goes through SDPA, whose blocked kernel reads
+# each key once per block of queries rather than once per query. The benches' prompts (64 tokens on the mid model,
+# 34-41 on SmolLM2) took an SDPA call per prompt and layer: ~0.2 ms each, several times their arithmetic.
+NATIVE_PROMPT_CONTEXT = 128
+
+
 # PACK_MIN_HIDDEN (protocol.memory, where the capacity planner reads it too): oneDNN's packed GEMM against F.linear
 # at 64 rows, bench/limits.py on this project's CPUs (2026-11-30): 246 vs 207 GFLOP/s on the mid model (hidden
 # 1024), mixed on SmolLM2 (576; it wins at 512 rows), 54 vs 133 on the tiny test and fallback-demo models (64):
@@ -315,7 +322,7 @@ class Block:
         if qk is None:
             qk = apply_rope(qkv[:, :k_end].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
             kv.write(layer, ctx.write_rows, qk[:, cfg.num_heads:], qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim))
-        y = native.decode_attention(layer, self.window) if native is not None else None  # a step of decode tokens only
+        y = native.attention(layer, self.window) if native is not None else None  # None: not every token on it
         if y is None:
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]  # [T, H, hd], [T, KV, hd]
             v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, hd]
@@ -677,14 +684,23 @@ class ModelRunner:
         rows_t = torch.tensor(write_rows, dtype=torch.int64, device=dev)
         native = None
         if self.native_attention and self.step_kernels:  # CPU fp32 (None where the native library is not there)
-            decode_only = decode if decode is not None and decode.index is None else None
+            attend_blocks = attend_lens = None  # every token's KV blocks and positions, when it attends on the kernel
+            if decode is not None and decode.index is None:
+                attend_blocks, attend_lens = decode.blocks, decode.lens
+            elif all(s.start_pos + len(s.token_ids) <= NATIVE_PROMPT_CONTEXT for _, s in prefill_specs):
+                lens_all = [p + 1 for p in positions]
+                nb = blocks_needed(max(lens_all), bs)
+                tables: list[list[int]] = []
+                for s in steps:
+                    tables += [s.block_table[:nb] + [0] * (nb - min(nb, len(s.block_table)))] * len(s.token_ids)
+                attend_blocks = torch.tensor(tables, dtype=torch.int64, device=dev)
+                attend_lens = torch.tensor(lens_all, dtype=torch.int64, device=dev)
             native = StepKernels.build(
                 rows=len(tokens), hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_heads,
                 kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=bs, eps=cfg.rms_norm_eps, cos=cos,
                 sin_signed=sin, write_rows=rows_t, layer_pages=[self.kv.pages(i) for i in range(cfg.num_layers)],
-                decode_blocks=decode_only.blocks if decode_only else None,
-                decode_lens=decode_only.lens if decode_only else None,
-                scale=1.0 / math.sqrt(cfg.head_dim), threads=torch.get_num_threads())
+                attend_blocks=attend_blocks, attend_lens=attend_lens, scale=1.0 / math.sqrt(cfg.head_dim),
+                threads=torch.get_num_threads())
         ctx = StepContext(cos=cos, sin=sin, write_rows=rows_t, decode=decode, prefills=prefills, lora=lora,
                           native=native)
         return torch.tensor(tokens, dtype=torch.int64, device=dev), ctx, last

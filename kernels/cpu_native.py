@@ -242,14 +242,16 @@ def swiglu(gu, n: int, *, threads: int):
 class StepKernels:
     """One forward step's native calls (CPU, fp32), with what every layer shares worked out once.
 
-    Between its GEMMs a decoder layer runs a few small ops: RMSNorm, RoPE with the KV write, decode attention,
-    SwiGLU's gate. Each GEMM streams megabytes of weights through the caches, so the call path of the op after
-    it (Python, torch's tensor accessors and allocator, ctypes) starts cold: on this project's 2-CPU host the
-    RMSNorm wrapper above took 143 us after a 48 MB read against 36 us warm, while the kernel itself, called on
-    integers into an output allocated beforehand, took 40 us cold (bench/RESULTS.md). Here the step's
-    activations (RMSNorm's output, q and k rotated, the decode attention's output, SwiGLU's output) are
-    allocated once for all layers and the shapes checked once; each layer's call is one ctypes call on
-    integers and the data pointers of the GEMMs' outputs.
+    Between its GEMMs a decoder layer runs a few small ops: RMSNorm, RoPE with the KV write, attention over the
+    paged KV cache, SwiGLU's gate. Each GEMM streams megabytes of weights through the caches, so the call path of
+    the op after it (Python, torch's tensor accessors and allocator, ctypes) starts cold: on this project's 2-CPU
+    host the RMSNorm wrapper above took 143 us after a 48 MB read against 36 us warm, while the kernel itself,
+    called on integers into an output allocated beforehand, took 40 us cold (bench/RESULTS.md). Here the step's
+    activations (RMSNorm's output, q and k rotated, the attention's output, SwiGLU's output) are allocated once
+    for all layers and the shapes checked once; each layer's call is one ctypes call on integers and the data
+    pointers of the GEMMs' outputs. Where every prompt chunk of the step is short, the whole step attends in one
+    call, prompt tokens included (each its own query over its sequence's pages), instead of an SDPA call per
+    chunk.
 
     Every method returns one of the step's buffers, which the next layer's call of the same method overwrites:
     a caller is done with it by then (a layer reads its norm's output in its GEMM and LoRA terms, and so on).
@@ -260,10 +262,11 @@ class StepKernels:
     @classmethod
     def build(cls, *, rows: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
               block_size: int, eps: float, cos, sin_signed, write_rows, layer_pages: list,
-              decode_blocks=None, decode_lens=None, scale: float = 1.0, threads: int = 1) -> StepKernels | None:
+              attend_blocks=None, attend_lens=None, scale: float = 1.0, threads: int = 1) -> StepKernels | None:
         """cos, sin_signed [T, 1, hd] or [T, hd], write_rows int64 [T], layer_pages each layer's
-        [P, 2 kv_heads, block_size * hd]; decode_blocks int64 [T, nb] and decode_lens int64 [T] when every token
-        of the step is a decode token (decode_attention is then available)."""
+        [P, 2 kv_heads, block_size * hd]; attend_blocks int64 [T, nb] and attend_lens int64 [T], every token's
+        sequence's KV blocks and the positions it attends to (its own included), when every token of the step is
+        to attend on the kernel (`attention` is then available)."""
         import torch
 
         lib = load()
@@ -275,18 +278,18 @@ class StepKernels:
                 or any(p.shape != layer_pages[0].shape for p in layer_pages)
                 or layer_pages[0].shape[1:] != (2 * kv_heads, block_size * head_dim)):
             return None
-        decode_only = (decode_blocks is not None and decode_lens is not None
-                       and decode_blocks.dtype == torch.int64 and decode_lens.dtype == torch.int64
-                       and decode_blocks.is_contiguous() and decode_lens.is_contiguous()
-                       and decode_blocks.shape[0] == rows and decode_lens.numel() == rows)
+        attend = (attend_blocks is not None and attend_lens is not None
+                  and attend_blocks.dtype == torch.int64 and attend_lens.dtype == torch.int64
+                  and attend_blocks.is_contiguous() and attend_lens.is_contiguous()
+                  and attend_blocks.shape[0] == rows and attend_lens.numel() == rows)
         return cls(lib, rows=rows, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
                    head_dim=head_dim, block_size=block_size, eps=eps, scale=scale, threads=threads, cos=cos,
                    sin_signed=sin_signed, write_rows=write_rows, layer_pages=layer_pages,
-                   decode=(decode_blocks, decode_lens) if decode_only else None)
+                   attend=(attend_blocks, attend_lens) if attend else None)
 
     def __init__(self, lib: ctypes.CDLL, *, rows: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
                  head_dim: int, block_size: int, eps: float, scale: float, threads: int, cos, sin_signed, write_rows,
-                 layer_pages: list, decode: tuple | None) -> None:
+                 layer_pages: list, attend: tuple | None) -> None:
         """What `build` checked; use `build`."""
         import torch
 
@@ -296,15 +299,15 @@ class StepKernels:
         self.h = torch.empty(rows, hidden)
         self.qk = torch.empty(rows, heads + kv_heads, head_dim)
         self.a = torch.empty(rows, intermediate)
-        self.y = torch.empty(rows, heads * head_dim) if decode is not None else None
+        self.y = torch.empty(rows, heads * head_dim) if attend is not None else None
         self._cos, self._sin, self._rows = cos.data_ptr(), sin_signed.data_ptr(), write_rows.data_ptr()
         self._pages = [p.data_ptr() for p in layer_pages]
         self._page_stride, self._num_pages = layer_pages[0].stride(0), layer_pages[0].shape[0]
         self._qkv_stride = (heads + 2 * kv_heads) * head_dim
         self._blocks = self._nb = self._lens = 0
-        if decode is not None:
-            self._blocks, self._nb, self._lens = decode[0].data_ptr(), decode[0].shape[1], decode[1].data_ptr()
-        self._keep = (cos, sin_signed, write_rows, decode, layer_pages)  # what the pointers point into
+        if attend is not None:
+            self._blocks, self._nb, self._lens = attend[0].data_ptr(), attend[0].shape[1], attend[1].data_ptr()
+        self._keep = (cos, sin_signed, write_rows, attend, layer_pages)  # what the pointers point into
 
     def norm(self, x, weight):
         """RMSNorm of the step's activations x [T, hidden] (contiguous) by weight [hidden] -> the step's `h`."""
@@ -322,9 +325,12 @@ class StepKernels:
             raise IndexError(f"a KV row is outside the layer's {self._num_pages} pages of {self.bs} positions")
         return self.qk
 
-    def decode_attention(self, layer: int, window: int | None):
-        """Decode attention of the step's rotated queries (from rope_kv) over `layer`'s pages -> the step's `y`
-        [T, heads * hd]; None when the step is not all decode tokens or the shapes are beyond the kernel."""
+    def attention(self, layer: int, window: int | None):
+        """Attention of every token's rotated query (from rope_kv) over `layer`'s pages, where rope_kv has just
+        stored the step's own keys and values -> the step's `y` [T, heads * hd]. One query per token, each over
+        its sequence's positions before it and its own (attend_lens): a decode token as decode attention does, a
+        prompt token causally. None when `build` was given no attend tables or the shapes are beyond the
+        kernel."""
         if self.y is None:
             return None
         rc = self.lib.paged_decode_attention_f32(

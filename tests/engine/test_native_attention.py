@@ -50,7 +50,7 @@ def test_decode_logits_are_the_same_read_in_place_or_gathered(base, window, step
 
     with monkeypatch.context() as m:
         if step_kernels:
-            calls = count_calls(m, StepKernels, "decode_attention", non_none=True)
+            calls = count_calls(m, StepKernels, "attention", non_none=True)
         else:
             calls = count_calls(m, model, "paged_decode_attention", non_none=True)
         in_place = runner.forward(decode)
@@ -91,25 +91,35 @@ def test_the_runners_layers_rotate_and_store_keys_natively(tiny_llama, monkeypat
 
 
 @pytest.mark.parametrize("base", ["tiny_llama", "tiny_mistral"])
-def test_a_mixed_step_and_a_decode_step_are_the_same_with_the_steps_kernels_or_without(base, request, monkeypatch):
-    """A step carrying a prompt chunk beside decode tokens, then a decode-only step: the same logits from the
-    step's kernels (buffers shared by the layers, SwiGLU's gate native) as from the per-call wrappers and torch's
-    silu * up, so a buffer a layer reuses never leaks into the next layer's result."""
-    steps = []
-    tables = [list(range(0, 3)), list(range(3, 6)), list(range(6, 9))]
-    prompts = [[(5 * i + 7 * k) % 300 + 1 for k in range(n)] for i, n in enumerate([9, 20, 33])]
-    first = [SeqStep(tables[0], 0, prompts[0]), SeqStep(tables[1], 0, prompts[1])]
-    mixed = [SeqStep(tables[0], 9, [11]), SeqStep(tables[1], 20, [12]), SeqStep(tables[2], 0, prompts[2])]
-    decode = [SeqStep(tables[0], 10, [13]), SeqStep(tables[1], 21, [14]), SeqStep(tables[2], 33, [15])]
-    results = []
+def test_mixed_steps_and_a_decode_step_are_the_same_with_the_steps_kernels_or_without(base, request, monkeypatch):
+    """Steps carrying prompt chunks beside decode tokens, then a decode-only step: the same logits from the step's
+    kernels (buffers shared by the layers, SwiGLU's gate native, short prompt chunks attending on the kernel, the
+    second half of a prompt over the pages its first half wrote) as from the per-call wrappers, SDPA and torch's
+    silu * up, so a buffer a layer reuses never leaks into the next layer's result. A chunk whose context is longer
+    than NATIVE_PROMPT_CONTEXT still goes through SDPA."""
+    long = model.NATIVE_PROMPT_CONTEXT + 22
+    tables = [list(range(0, 3)), list(range(3, 6)), list(range(6, 9)), list(range(9, 9 + long // 16 + 2))]
+    prompts = [[(5 * i + 7 * k) % 300 + 1 for k in range(n)] for i, n in enumerate([9, 20, 33, long])]
+    steps = [
+        [SeqStep(tables[0], 0, prompts[0]), SeqStep(tables[1], 0, prompts[1][:12])],  # prompts only
+        [SeqStep(tables[0], 9, [11]), SeqStep(tables[1], 12, prompts[1][12:]),  # a prompt's second chunk
+         SeqStep(tables[2], 0, prompts[2])],
+        [SeqStep(tables[0], 10, [13]), SeqStep(tables[1], 20, [14]), SeqStep(tables[2], 33, [15]),
+         SeqStep(tables[3], 0, prompts[3])],  # too long a chunk for the kernel: this step attends through SDPA
+        [SeqStep(tables[0], 11, [16]), SeqStep(tables[1], 21, [17]), SeqStep(tables[2], 34, [18]),
+         SeqStep(tables[3], long, [19])],  # decode only
+    ]
+    results, on_kernel = [], []
     for step_kernels in (True, False):
-        runner = ModelRunner(request.getfixturevalue(base), pool_pages=16, enable_lora=False)
+        runner = ModelRunner(request.getfixturevalue(base), pool_pages=32, enable_lora=False)
         with monkeypatch.context() as m:
+            attended = count_calls(m, StepKernels, "attention", non_none=True)
             swiglus = count_calls(m, StepKernels, "swiglu")
             if not step_kernels:
                 m.setattr(model.StepKernels, "build", classmethod(lambda cls, **kw: None))
-            results.append([runner.forward(s) for s in (first, mixed, decode)])
-            steps.append(len(swiglus))
-    assert steps == [3 * runner.config.num_layers, 0]
+            results.append([runner.forward(s) for s in steps])
+            on_kernel.append((len(attended), len(swiglus)))
+    layers = runner.config.num_layers
+    assert on_kernel == [(3 * layers, 4 * layers), (0, 0)]  # every step but the long chunk's attended on the kernel
     for with_kernels, without in zip(*results, strict=True):
         torch.testing.assert_close(with_kernels, without, rtol=1e-5, atol=1e-5)
