@@ -4,10 +4,12 @@
 
 One engine on a bench/peers.py workload (the same setup as its lorafleet row), its passes alternating between
 the modes. Every GEMM (`Projection.__call__` / `add_to`), every LoRA call (`StepLora.add`), every attention call
-(`Block.attend`) and each forward step (`ModelRunner.forward`) is timed; a GEMM's FLOPs come from its shapes, so
+(`Block.attend`, and `StepKernels.attention` where a step attends on the step's kernels) and each forward step
+(`ModelRunner.forward`) is timed; a GEMM's FLOPs come from its shapes, so
 each row bucket prints the rate the engine got, to set beside bench/limits.py's rates for the same row counts.
 "rest of forward" is what the forward spends outside those (norms, RoPE and the KV write, SwiGLU's gate, the
-LM head's sampling input); "outside" is the wall time outside the forward (scheduling, sampling, replies).
+LM head's sampling input); "outside" is the wall time outside the forward (scheduling, sampling, replies). Each pass
+also prints its minor page faults and the seconds the process spent in the kernel (getrusage).
 
 The timers cost ~0.3 us a call (~40,000 calls a SmolLM2 pass: ~10 ms), well under the noise between passes.
 What it showed is in bench/RESULTS.md ("Where a SmolLM2 pass's time goes").

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import HALF_WEIGHTS, LoraMapping, LoraTable, add_lora
+from kernels import HALF_WEIGHTS, LoraMapping, LoraTable, add_lora, repeatable_lora_call
+from kernels.cpu import NativeLoraCall
 from protocol.lora_layout import TARGET_MODULES, ModelShape, parse_peft_name
 from protocol.memory import adapter_layout, adapter_pages
 
@@ -247,10 +248,29 @@ class StepLora:
 
     def __init__(self, lora: LoraPool, mapping: LoraMapping, targeted: frozenset[str]) -> None:
         self.lora, self.mapping, self.targeted = lora, mapping, targeted
+        # proj -> the native call every later layer repeats (kernels.cpu.NativeLoraCall), or None: the checked path
+        self._calls: dict[str, NativeLoraCall | None] = {}
+        self._buffer_ptrs: list[int] = []
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
-        """out += LoRA term of proj at layer. out: [T, d_out] (a column view is fine), x: [T, d_in]."""
+        """out += LoRA term of proj at layer. out: [T, d_out] (a column view is fine), x: [T, d_in].
+
+        The step's first call of a projection goes through `kernels.add_lora` and its checks; on CPU, where that
+        was one native call, the later layers' calls of the projection repeat it on their own x, out and weights
+        (every layer's x and out of a projection have the same shapes and strides: the runner's own activations
+        and GEMM outputs)."""
         if proj not in self.targeted:
             return
         lora = self.lora
-        add_lora(out, x, lora._buffers[layer], lora.tables[proj], self.mapping, lora.scales)
+        if proj not in self._calls:
+            buffer, table = lora._buffers[layer], lora.tables[proj]
+            add_lora(out, x, buffer, table, self.mapping, lora.scales)
+            self._calls[proj] = repeatable_lora_call(out, x, buffer, table, self.mapping, lora.scales)
+            return
+        call = self._calls[proj]
+        if call is None:
+            add_lora(out, x, lora._buffers[layer], lora.tables[proj], self.mapping, lora.scales)
+            return
+        if not self._buffer_ptrs:
+            self._buffer_ptrs = [b.data_ptr() for b in lora._buffers]
+        call(out, x, self._buffer_ptrs[layer])

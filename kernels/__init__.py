@@ -9,9 +9,9 @@ the paged KV cache), `rms_norm`, `rope_kv_write` and `swiglu` (CPU, fp32, one pa
 the project. (Hugging Face publishes an unrelated PyPI package also named `kernels`; never install it here.)
 """
 from .cpu_native import StepKernels, paged_decode_attention, rms_norm, rope_kv_write, swiglu
-from .dispatch import add_lora, lora_expand, lora_shrink
+from .dispatch import add_lora, lora_expand, lora_shrink, repeatable_lora_call
 from .mapping import LoraMapping
 from .table import HALF_WEIGHTS, LoraTable
 
 __all__ = ["HALF_WEIGHTS", "StepKernels", "LoraMapping", "LoraTable", "add_lora", "lora_expand", "lora_shrink",
-           "paged_decode_attention", "rms_norm", "rope_kv_write", "swiglu"]
+           "paged_decode_attention", "repeatable_lora_call", "rms_norm", "rope_kv_write", "swiglu"]

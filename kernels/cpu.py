@@ -114,3 +114,47 @@ def lora_expand_cpu(
         delta = torch.mm(y[start:end, :rank].float(), table.b_of(buffer, slot).float())  # [n, d_out] fp32
         out[start:end] = (out[start:end].float() + delta * scales[slot]).to(out.dtype)  # rounded once
     return out
+
+
+class NativeLoraCall:
+    """`add_lora_cpu`'s one native call for one projection of one step, with what every layer shares worked out
+    once: the segment plan's pointers, the table's offsets, the scales, the scratch and the thread count.
+
+    A step calls the LoRA term of each projection once per layer, and every call after the first differs only in
+    x, out and the layer's weight buffer. The checked path (`kernels.add_lora`) costs tens of microseconds of
+    Python and tensor accessors a call, and runs cold after each GEMM (kernels.cpu_native.StepKernels says why);
+    this runs the same kernel on the same arguments with three pointers and two strides read per call. Build it
+    with `native_lora_call` after a checked call of the same step and projection.
+    """
+
+    __slots__ = ("sgmv", "segments", "offsets", "tail", "_keep")
+
+    def __init__(self, sgmv, segments: tuple, offsets: tuple, tail: tuple, keep: tuple) -> None:
+        self.sgmv, self.segments, self.offsets, self.tail, self._keep = sgmv, segments, offsets, tail, keep
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor, buffer_ptr: int) -> None:
+        """out[t] += the term for x, with the layer's weights at buffer_ptr (out and x as the checked call had
+        them: the same shapes, unit column stride; the buffer laid out by the same table)."""
+        a_offs, b_offs = self.offsets
+        self.sgmv(*self.segments, x.data_ptr(), x.stride(0), buffer_ptr, a_offs, b_offs, out.data_ptr(), out.stride(0),
+                  *self.tail)
+
+
+def native_lora_call(out: torch.Tensor, x: torch.Tensor, buffer: torch.Tensor, table: LoraTable,
+                     mapping: LoraMapping, slot_scales: torch.Tensor) -> NativeLoraCall | None:
+    """The call `add_lora_cpu` makes for these arguments, to repeat on other layers' x, out and buffer; None where
+    it would not make exactly one native call (no native kernel, x or out it does not cover, long segments to
+    BLAS, nothing to do)."""
+    plan = mapping.plan(table)
+    sgmv = cpu_native.sgmv_for(buffer.dtype) if _native_ok(out, x, buffer, slot_scales) else None
+    if sgmv is None or plan.is_empty:
+        return None
+    cpu_plan = plan.cpu_plan(LONG_SEGMENT)
+    if cpu_plan.long_segments or not cpu_plan.num_short:
+        return None
+    y = mapping.scratch(max(table.max_rank, 1))
+    weight_bytes = cpu_plan.short_rank_sum * (table.d_in + table.d_out) * buffer.element_size()
+    threads = torch.get_num_threads() if weight_bytes >= PARALLEL_BYTES else 1
+    return NativeLoraCall(sgmv, (cpu_plan.num_short, *cpu_plan.short_ptrs), table.host_offset_ptrs,
+                          (slot_scales.data_ptr(), y.data_ptr(), y.stride(0), table.d_in, table.d_out, threads),
+                          (cpu_plan, y, slot_scales, table))

@@ -101,6 +101,16 @@ def add_lora(
     return triton_expand(y, buffer, table, mapping, plan, out, slot_scales)
 
 
+def repeatable_lora_call(out: torch.Tensor, x: torch.Tensor, buffer: torch.Tensor, table: LoraTable,
+                         mapping: LoraMapping, slot_scales: torch.Tensor) -> cpu.NativeLoraCall | None:
+    """After `add_lora(out, x, buffer, table, mapping, slot_scales)` passed its checks: the one native call it made,
+    to repeat on other layers' x, out and weight buffer of the same shapes and table (kernels.cpu.NativeLoraCall);
+    None where the backend is not the CPU one or the call was not one native call."""
+    if _backend(x, None) != "cpu":
+        return None
+    return cpu.native_lora_call(out, x, buffer, table, mapping, slot_scales)
+
+
 def lora_shrink(
     x: torch.Tensor,  # [T, d_in]
     buffer: torch.Tensor,  # 1-D contiguous, x's dtype (or bf16 / fp16 beside an fp32 x)

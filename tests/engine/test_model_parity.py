@@ -377,3 +377,36 @@ def test_llama_with_attention_bias_matches_transformers(tiny_llama, tmp_path):
     with torch.no_grad():
         theirs = hf_model(path)(torch.tensor([PROMPT])).logits[0, -1]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_later_layers_repeat_the_first_layers_checked_lora_call_with_the_same_result(tiny_llama, tmp_path,
+                                                                                    monkeypatch):
+    """A step's LoRA term: the first layer's call of each projection goes through kernels.add_lora and its checks;
+    the later layers repeat that native call on their own x, out and weights (kernels.repeatable_lora_call). The
+    logits of a mixed step (a prompt beside decode tokens of two adapters of different ranks and targets, and a base
+    token) and of the decode step after it are the same with the repeat on and off."""
+    import inference_worker.lora as lora_mod
+    from kernels.cpu import NativeLoraCall
+
+    results, repeats = [], []
+    for repeat in (True, False):
+        runner = ModelRunner(tiny_llama, pool_pages=512, max_lora_rank=32)
+        s0 = load_peft_into(runner, make_random_peft_adapter(tiny_llama, tmp_path / f"a{repeat}", r=8,
+                                                             target_modules=ALL_TARGETS))
+        s1 = load_peft_into(runner, make_random_peft_adapter(tiny_llama, tmp_path / f"b{repeat}", r=32, alpha=8, seed=5,
+                                                             target_modules=("q_proj", "down_proj")))
+        steps = [[SeqStep([0, 1], 0, PROMPT[:9], s0), SeqStep([2, 3], 0, PROMPT[3:], s1)],
+                 [SeqStep([0, 1], 9, [11], s0), SeqStep([2, 3], 11, [12], s1), SeqStep([4, 5], 0, PROMPT, -1)],
+                 [SeqStep([0, 1], 10, [13], s0), SeqStep([2, 3], 12, [14], s1), SeqStep([4, 5], 14, [15], -1)]]
+        calls = []
+        with monkeypatch.context() as m:
+            real = NativeLoraCall.__call__
+            m.setattr(NativeLoraCall, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+            if not repeat:
+                m.setattr(lora_mod, "repeatable_lora_call", lambda *a: None)
+            results.append([runner.forward(s) for s in steps])
+        repeats.append(len(calls))
+    layers = runner.config.num_layers
+    assert repeats == [3 * len(ALL_TARGETS) * (layers - 1), 0]  # every projection of every layer after the first
+    for on, off in zip(*results, strict=True):
+        torch.testing.assert_close(on, off, rtol=0, atol=0)  # the same kernel on the same arguments: bit for bit
