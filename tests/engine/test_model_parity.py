@@ -401,7 +401,8 @@ def test_later_layers_repeat_the_first_layers_checked_lora_call_with_the_same_re
         calls = []
         with monkeypatch.context() as m:
             real = NativeLoraCall.__call__
-            m.setattr(NativeLoraCall, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+            m.setattr(NativeLoraCall, "__call__",
+                      lambda self, *a, calls=calls, real=real: calls.append(1) or real(self, *a))
             if not repeat:
                 m.setattr(lora_mod, "repeatable_lora_call", lambda *a: None)
             results.append([runner.forward(s) for s in steps])
