@@ -48,20 +48,7 @@ def add_lora_cpu(
         return _add_lora_torch(out, x, buffer, table, plan.segments, slot_scales)
     cpu_plan = plan.cpu_plan(LONG_SEGMENT)
     if cpu_plan.num_short:
-        y = mapping.scratch(max(table.max_rank, 1))  # [T, >= every rank] fp32 scratch for the shrink
-        weight_bytes = cpu_plan.short_rank_sum * (table.d_in + table.d_out) * buffer.element_size()
-        threads = torch.get_num_threads() if weight_bytes >= PARALLEL_BYTES else 1
-        starts, lens, slots, ranks = cpu_plan.short_ptrs
-        a_offs, b_offs = table.host_offset_ptrs
-        sgmv(
-            cpu_plan.num_short, starts, lens, slots, ranks,
-            x.data_ptr(), x.stride(0),
-            buffer.data_ptr(), a_offs, b_offs,
-            out.data_ptr(), out.stride(0),
-            slot_scales.data_ptr(),
-            y.data_ptr(), y.stride(0),
-            table.d_in, table.d_out, threads,
-        )
+        _short_call(sgmv, cpu_plan, buffer, table, mapping, slot_scales).run(out, x, buffer.data_ptr())
     if cpu_plan.long_segments:
         _add_lora_torch(out, x, buffer, table, cpu_plan.long_segments, slot_scales)
     return out
@@ -133,6 +120,10 @@ class NativeLoraCall:
         self.sgmv, self.segments, self.offsets, self.tail, self._keep = sgmv, segments, offsets, tail, keep
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, buffer_ptr: int) -> None:
+        """A later layer's repeat of the call (`run`)."""
+        self.run(out, x, buffer_ptr)
+
+    def run(self, out: torch.Tensor, x: torch.Tensor, buffer_ptr: int) -> None:
         """out[t] += the term for x, with the layer's weights at buffer_ptr (out and x as the checked call had
         them: the same shapes, unit column stride; the buffer laid out by the same table)."""
         a_offs, b_offs = self.offsets
@@ -152,7 +143,13 @@ def native_lora_call(out: torch.Tensor, x: torch.Tensor, buffer: torch.Tensor, t
     cpu_plan = plan.cpu_plan(LONG_SEGMENT)
     if cpu_plan.long_segments or not cpu_plan.num_short:
         return None
-    y = mapping.scratch(max(table.max_rank, 1))
+    return _short_call(sgmv, cpu_plan, buffer, table, mapping, slot_scales)
+
+
+def _short_call(sgmv, cpu_plan, buffer: torch.Tensor, table: LoraTable, mapping: LoraMapping,
+                slot_scales: torch.Tensor) -> NativeLoraCall:
+    """The native call over the plan's short segments (all but x, out and the weight buffer's address)."""
+    y = mapping.scratch(max(table.max_rank, 1))  # [T, >= every rank] fp32 scratch for the shrink
     weight_bytes = cpu_plan.short_rank_sum * (table.d_in + table.d_out) * buffer.element_size()
     threads = torch.get_num_threads() if weight_bytes >= PARALLEL_BYTES else 1
     return NativeLoraCall(sgmv, (cpu_plan.num_short, *cpu_plan.short_ptrs), table.host_offset_ptrs,
