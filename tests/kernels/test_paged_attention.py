@@ -28,8 +28,9 @@ def _reference(q, pages, blocks, lens, kv_heads, window, scale):
     return out
 
 
-# head_dim 64 and 128 run on the vector path (query heads in register groups of at most 4 and 2, rows in
-# groups of 16: blocks of 8 and 64 positions too), other head sizes on the scalar loops; 16 KV heads of 5 x 128
+# head_dim 64 and 128 run on the vector path (AVX-512: query heads in register groups of at most 4 and 2, rows
+# in groups of 16; AVX2 alone: one query head at a time, rows in groups of 4; blocks of 8 and 64 positions and
+# windows that start mid-block too), other head sizes on the scalar loops; 16 KV heads of 5 x 128
 # do not fit one unit's accumulators and take one unit per (sequence, KV head).
 @pytest.mark.parametrize("kv_heads,g,hd,bs,window", [
     (4, 1, 32, 16, None), (2, 3, 64, 16, None), (3, 3, 64, 16, 40), (1, 8, 16, 8, 5), (2, 4, 128, 32, None),
