@@ -24,6 +24,9 @@
 /* Loops that call expf: on AVX2 without AVX-512 GCC 12 vectorizes them with libmvec's 4-wide SSE expf unless told
  * 8 lanes (_ZGVdN8v_expf, the AVX2 one; SwiGLU's gate on SmolLM2's 64 x 1536: 176 -> 137 us a call). */
 #if defined(__AVX2__) && !defined(__AVX512F__)
+#define AVX2_WITHOUT_512 1
+#endif
+#ifdef AVX2_WITHOUT_512
 #define EXP_SIMD _Pragma("omp simd simdlen(8)")
 #define EXP_SIMD_REDUCE_SUM _Pragma("omp simd reduction(+:sum) simdlen(8)")
 #else
@@ -255,7 +258,7 @@ SGMV_ENTRY(sgmv_add_f32_f16w, run_segment_f16)
  *   evicted the block being read and gained 10% instead of 40%). Without it the loads wait on DRAM and
  *   compute and memory do not overlap at all.
  * - For head_dim 64 and 128 the block's work runs on 16-float vectors (GCC vector extensions: one zmm on
- *   AVX-512, two ymm on AVX2) with the query and accumulator vectors in registers: 16 rows' scores are
+ *   AVX-512; on AVX2 without it, the 8-float path after them, attn_block_avx2_*) with the query and accumulator vectors in registers: 16 rows' scores are
  *   16 partial-sum vectors reduced together by one transpose-add (45 shuffles and adds for 16 dot
  *   products, not a horizontal reduction each), and P·V adds into register accumulators instead of
  *   loading and storing a memory row per key (1.25-1.45x over the scalar loops, both prefetching).
@@ -392,10 +395,14 @@ static void attn_block_##HDV##_##GH(const float *q, const float *K, const float 
     for (int j = 0; j < GH; j++)                                                                              \
         for (int c = 0; c < HDV; c++) vstore(acc + j * hd + 16 * c, av[j][c]);                                \
 }
+#if defined(AVX2_WITHOUT_512) && defined(__FMA__)
+#define ATTN_AVX2 1
+#else
 ATTN_BLOCK_VEC(4, 1) ATTN_BLOCK_VEC(4, 2) ATTN_BLOCK_VEC(4, 3) ATTN_BLOCK_VEC(4, 4)
 ATTN_BLOCK_VEC(8, 1) ATTN_BLOCK_VEC(8, 2)
+#endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#ifdef ATTN_AVX2
 /* The block on AVX2 without AVX-512 (8-float ymm, 16 registers). The 16-float vectors above are two ymm each
  * there, their shuffles have no AVX2 instruction and the query and partial-sum vectors do not fit the register
  * file: on a 2-CPU AMD EPYC (Zen 1, AVX2 only; 2026-12-02, mid's shapes: 64 sequences, 4 KV heads of 4 query
@@ -443,7 +450,6 @@ static void attn_block_avx2_##HDV(const float *q, const float *K, const float *V
     for (int c = 0; c < HDV; c++) _mm256_storeu_ps(acc + 8 * c, av[c]);                                       \
 }
 ATTN_BLOCK_AVX2(8) ATTN_BLOCK_AVX2(16)
-#define ATTN_AVX2 1
 #endif
 
 /* One block of one KV head for its g query heads, on the vector path when hd is 64 or 128. */
@@ -451,26 +457,24 @@ static void attn_block(const float *q, const float *K, const float *V, int64_t l
                        int64_t hd, float scale, float *m, float *l, float *acc, const float *Kn, const float *Vn) {
     typedef void (*block_fn)(const float *, const float *, const float *, int64_t, int64_t, float, float *, float *,
                              float *, const float *, const float *);
-    static const block_fn by_heads64[] = {attn_block_4_1, attn_block_4_2, attn_block_4_3, attn_block_4_4};
-    static const block_fn by_heads128[] = {attn_block_8_1, attn_block_8_2};
-#ifdef ATTN_AVX2
     if (hd == 64 || hd == 128) {
+#ifdef ATTN_AVX2
         const block_fn one = hd == 64 ? attn_block_avx2_8 : attn_block_avx2_16;
         for (int64_t j = 0; j < g; j++)  /* the first head's pass prefetches the next block */
             one(q + j * hd, K, V, lo, hi, scale, m + j, l + j, acc + j * hd, j ? NULL : Kn, j ? NULL : Vn);
-        return;
-    }
+#else
+        static const block_fn by_heads64[] = {attn_block_4_1, attn_block_4_2, attn_block_4_3, attn_block_4_4};
+        static const block_fn by_heads128[] = {attn_block_8_1, attn_block_8_2};
+        const block_fn *fns = hd == 64 ? by_heads64 : by_heads128;
+        const int64_t most = hd == 64 ? 4 : 2;
+        for (int64_t j = 0; j < g; j += most) {  /* query heads in register-sized groups; K/V rows stay in L1 */
+            const int64_t gh = g - j < most ? g - j : most;
+            fns[gh - 1](q + j * hd, K, V, lo, hi, scale, m + j, l + j, acc + j * hd, j ? NULL : Kn, j ? NULL : Vn);
+        }
 #endif
-    const block_fn *fns = hd == 64 ? by_heads64 : hd == 128 ? by_heads128 : NULL;
-    const int64_t most = hd == 64 ? 4 : 2;
-    if (fns == NULL) {
-        attn_block_scalar(q, K, V, lo, hi, g, hd, scale, m, l, acc, Kn, Vn);
         return;
     }
-    for (int64_t j = 0; j < g; j += most) {  /* query heads in register-sized groups; K/V rows stay in L1 */
-        const int64_t gh = g - j < most ? g - j : most;
-        fns[gh - 1](q + j * hd, K, V, lo, hi, scale, m + j, l + j, acc + j * hd, j ? NULL : Kn, j ? NULL : Vn);
-    }
+    attn_block_scalar(q, K, V, lo, hi, g, hd, scale, m, l, acc, Kn, Vn);
 }
 
 static void attn_unit(const void *args, int64_t unit) {
