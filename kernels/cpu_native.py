@@ -69,6 +69,10 @@ _SWIGLU_ARGTYPES = (
     _i64, _i64, _p, _i64,  # rows T, intermediate width n, gu [T, >= 2n], its row stride
     _p, _i64, ctypes.c_int,  # out [T, n], its row stride, threads
 )
+_ARGMAX_ARGTYPES = (
+    _i64, _i64, _p, _i64,  # rows T, row length n, x [T, n], its row stride
+    _p, ctypes.c_int,  # out int64 [T], threads
+)
 
 
 def _cache_dir() -> Path:
@@ -145,6 +149,8 @@ def load() -> ctypes.CDLL | None:
         lib.rope_kv_write_f32.restype = ctypes.c_int
         lib.swiglu_f32.argtypes = _SWIGLU_ARGTYPES
         lib.swiglu_f32.restype = None
+        lib.argmax_rows_f32.argtypes = _ARGMAX_ARGTYPES
+        lib.argmax_rows_f32.restype = None
         _lib = lib
     return _lib
 
@@ -236,6 +242,21 @@ def swiglu(gu, n: int, *, threads: int):
         return None
     out = torch.empty(gu.shape[0], n, dtype=gu.dtype)
     lib.swiglu_f32(gu.shape[0], n, gu.data_ptr(), gu.stride(0), out.data_ptr(), n, threads)
+    return out
+
+
+def argmax_rows(x, *, threads: int):
+    """Each row's first index of its largest value, for fp32 rows x [T, n] (each row contiguous, n >= 1) ->
+    int64 [T], as torch.argmax(x, dim=-1) gives for rows without NaN (a row holding one gets some index inside
+    it); None when the native library or this tensor is not covered (the caller then uses torch.argmax)."""
+    import torch
+
+    lib = load()
+    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1
+            or x.shape[1] < 1):
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows_f32(x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), out.data_ptr(), threads)
     return out
 
 
