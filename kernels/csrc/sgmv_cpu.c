@@ -680,7 +680,8 @@ static void argmax_unit(const void *args, int64_t unit) {
 }
 
 void argmax_rows_f32(int64_t T, int64_t n, const float *x, int64_t sx, int64_t *out, int nthreads) {
-    const int64_t per = row_chunk(T, T * n, nthreads) == 16 ? (T + 2 * nthreads - 1) / (2 * nthreads) : (T > 0 ? T : 1);
+    /* two units a thread once the rows repay a team (a decode step's logits: 3 M floats), else one */
+    const int64_t per = T * n >= TEAM_MIN_ELEMS && nthreads > 1 ? (T + 2 * nthreads - 1) / (2 * nthreads) : (T > 0 ? T : 1);
     argmax_args a = {x, out, sx, n, per, T};
     parallel_for_team(argmax_unit, &a, (T + per - 1) / per, nthreads);
 }
