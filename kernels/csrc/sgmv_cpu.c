@@ -639,16 +639,22 @@ static void swiglu_unit(const void *args, int64_t unit) {
 
 #define SWIGLU_TEAM_MIN (1 << 16)
 
+/* Rows per unit of a row-wise kernel over `elems` floats: two units a thread from `team_min` elements on, else
+ * all T rows in one unit (which parallel_for_team runs on the calling thread). */
+static int64_t rows_two_units_a_thread(int64_t T, int64_t elems, int64_t team_min, int nthreads) {
+    return elems >= team_min && nthreads > 1 ? (T + 2 * nthreads - 1) / (2 * nthreads) : (T > 0 ? T : 1);
+}
+
 void swiglu_f32(int64_t T, int64_t n, const float *gu, int64_t sg, float *out, int64_t so, int nthreads) {
-    const int64_t per = T * n >= SWIGLU_TEAM_MIN && nthreads > 1 ? (T + 2 * nthreads - 1) / (2 * nthreads) : (T > 0 ? T : 1);
+    const int64_t per = rows_two_units_a_thread(T, T * n, SWIGLU_TEAM_MIN, nthreads);
     swiglu_args a = {gu, out, sg, so, n, per, T};
     parallel_for_team(swiglu_unit, &a, (T + per - 1) / per, nthreads);
 }
 
 /* ---- greedy pick: each row's first index of its largest value ------------------------------------------
  * torch.argmax's last-dim reduction tracks an index beside every lane's value: 1.3-1.4 ms for a decode step's
- * 64 rows of SmolLM2's 49,152 logits on this project's 2-CPU host, a quarter of the step's time outside the
- * forward. Here each row is two vector passes: its max, then the first position holding it (the row is still
+ * 64 rows of SmolLM2's 49,152 logits on this project's 2-CPU host, of the ~3.5 ms a step spent outside the
+ * forward; this takes 0.47-0.52 ms from a cold cache. Here each row is two vector passes: its max, then the first position holding it (the row is still
  * in L2). A row holding a NaN has no defined answer here (-ffast-math); sampling fails such rows before it
  * reads their token (sampling.non_finite_rows), and the index returned is then still inside the row. */
 typedef struct {
@@ -680,8 +686,7 @@ static void argmax_unit(const void *args, int64_t unit) {
 }
 
 void argmax_rows_f32(int64_t T, int64_t n, const float *x, int64_t sx, int64_t *out, int nthreads) {
-    /* two units a thread once the rows repay a team (a decode step's logits: 3 M floats), else one */
-    const int64_t per = T * n >= TEAM_MIN_ELEMS && nthreads > 1 ? (T + 2 * nthreads - 1) / (2 * nthreads) : (T > 0 ? T : 1);
+    const int64_t per = rows_two_units_a_thread(T, T * n, TEAM_MIN_ELEMS, nthreads);  /* a decode step's: 3 M */
     argmax_args a = {x, out, sx, n, per, T};
     parallel_for_team(argmax_unit, &a, (T + per - 1) / per, nthreads);
 }
