@@ -80,10 +80,15 @@ def main() -> None:
     ap.add_argument("--modes", default="base,fleet")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workdir", default="/tmp/lorafleet-bench")
+    ap.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                    help="off: leave the weights on the 4 KB pages malloc gave them (ModelRunner(huge_pages=False)); "
+                         "an A/B runs the two in alternating processes, as the choice is the process's")
     args = ap.parse_args()
 
     w = peers.WORKLOADS[args.workload](Path(args.workdir))
-    engine = peers.Lorafleet(w)
+    engine = peers.Lorafleet(w, huge_pages=args.huge_pages == "on")
+    runner = engine.engine.runner
+    print("weights' pages:", runner.huge_pages.describe() if runner.huge_pages else "as malloc gave them", flush=True)
     instrument(decode_rows=len(w.prompts))  # a step of no more rows than running requests: a decode step
     generated = len(w.prompts) * w.new_tokens
     for _ in range(args.rounds):

@@ -18,6 +18,10 @@ The rate at each row count is measured, per weight shape, with three fp32 GEMMs 
 Each shape is timed over one distinct weight per layer (as a forward pass reads them: weights stream from
 memory, not from cache), best of `repeats` passes, the GEMMs alternating so load on shared CPUs tilts none.
 Other work on the CPUs only ever slows a GEMM down, so the best pass is the machine's rate.
+The weights are on 2 MB pages, as the runner keeps its own (inference_worker.huge_pages; since 2026-12-03): there
+the rates read ~5% higher than on malloc's 4 KB pages (SmolLM2 at 64 rows, three processes of each alternating on
+the Zen 4 host: 196.9 / 201.0 GFLOP/s, one outlier of 161.5, against 185.1 / 193.6 / 186.4), so the limit is the
+stricter one. `--huge-pages off` measures on 4 KB pages.
 
 FLOPs counted per request (P prompt tokens, G generated): prefill = P tokens through every layer's
 projections; decode = G - 1 tokens through them (the first generated token comes out of the prefill) plus
@@ -75,9 +79,11 @@ class GemmRates:
 
 
 @torch.inference_mode()
-def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None, seed: int = 0) -> GemmRates:
+def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None, seed: int = 0,
+                  huge_pages: bool = True) -> GemmRates:
     """The model's GEMMs at `rows` rows, each shape over `layers` distinct weights (default: the model's layer
     count; the head once), both implementations alternating, best of `repeats` passes per shape and impl."""
+    from inference_worker.huge_pages import collapse_resident_memory
     from inference_worker.model import Projection  # the runner's GEMM, in each of its three forms
 
     impls = [i for i in IMPLS if i == "F.linear" or onednn_available()]
@@ -91,6 +97,8 @@ def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None
         made = {"F.linear": lambda w: Projection(w), "onednn": lambda w: Projection(w, onednn=True),
                 "onednn_packed": lambda w: Projection(w, pack_rows=rows)}
         weights = {impl: [made[impl](w) for w in ws] for impl in impls}
+        if huge_pages:  # on 2 MB pages, as the runner keeps its weights (inference_worker.huge_pages)
+            collapse_resident_memory()
         x = torch.randn(rows, n, generator=g)
         for impl in impls:  # warm-up: first-call costs (oneDNN primitive creation) are not the rate
             for proj in weights[impl][:2]:
@@ -321,12 +329,14 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="a checkpoint directory (config.json)")
     ap.add_argument("--rows", default="64,512")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                    help="off: the weights on the 4 KB pages malloc gives them, not on 2 MB pages as the runner keeps its own")
     args = ap.parse_args()
     cfg = ModelConfig.from_dir(args.model)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, oneDNN packed GEMM available: "
           f"{onednn_available()}")
     for rows in map(int, args.rows.split(",")):
-        print(measure_rates(cfg, rows, repeats=args.repeats).line(), flush=True)
+        print(measure_rates(cfg, rows, repeats=args.repeats, huge_pages=args.huge_pages == "on").line(), flush=True)
 
 
 if __name__ == "__main__":

@@ -277,7 +277,8 @@ class Lorafleet:
     (adapters resident: the fleet's steady state), as bench/engine.py's EngineRun."""
 
     def __init__(self, w: Workload, packed_weights: bool | None = None, adapter_dtype=None,
-                 pack_tied_head: bool | None = None, step_kernels: bool | None = None):
+                 pack_tied_head: bool | None = None, step_kernels: bool | None = None,
+                 huge_pages: bool | None = None):
         import hashlib
 
         from bench.engine import ALL_TARGETS
@@ -306,8 +307,10 @@ class Lorafleet:
             kw["pack_tied_head"] = pack_tied_head
         if step_kernels is not None:
             kw["step_kernels"] = step_kernels
+        if huge_pages is not None:
+            kw["huge_pages"] = huge_pages
         probe = ModelRunner(w.base, pool_pages=1, max_lora_rank=w.max_rank, enable_lora=True,
-                            **{k: v for k, v in kw.items() if k == "adapter_dtype"})
+                            **{k: v for k, v in kw.items() if k in ("adapter_dtype", "huge_pages")})
         pages = kv_pages + sum(probe.lora.pages_for(w.ranks[a], ALL_TARGETS) for a in set(w.adapter_of))
         del probe
         runner = ModelRunner(w.base, pool_pages=pages, max_lora_rank=w.max_rank, enable_lora=True, **kw)

@@ -29,6 +29,7 @@ from kernels import rms_norm as native_rms_norm
 from protocol.lora_layout import ModelShape
 from protocol.memory import PACK_MIN_HIDDEN, PoolSplit, page_elements, split_budget, workspace_bytes
 
+from .huge_pages import Collapse, collapse_resident_memory
 from .kv_cache import PagedKVCache, blocks_needed
 from .lora import LoraPool, StepLora
 from .memory_pool import PagePool
@@ -222,6 +223,11 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 # each key once per block of queries rather than once per query. The benches' prompts (64 tokens on the mid model,
 # 34-41 on SmolLM2) took an SDPA call per prompt and layer: ~0.2 ms each, several times their arithmetic.
 NATIVE_PROMPT_CONTEXT = 128
+
+
+# Below this many bytes of weights the runner leaves its memory's page size alone (the tiny test and fallback-demo
+# models: their weights stay in the caches, and collapsing costs ~1 s of a test's time).
+HUGE_PAGES_MIN_WEIGHTS = 64 << 20
 
 
 # PACK_MIN_HIDDEN (protocol.memory, where the capacity planner reads it too): oneDNN's packed GEMM against F.linear
@@ -420,7 +426,7 @@ class ModelRunner:
                  enable_lora: bool = True, memory_bytes: int | None = None, pool_pages: int | None = None,
                  max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0,
                  packed_weights: bool | None = None, adapter_dtype: torch.dtype | None = None,
-                 pack_tied_head: bool | None = None, step_kernels: bool = True) -> None:
+                 pack_tied_head: bool | None = None, step_kernels: bool = True, huge_pages: bool = True) -> None:
         from transformers import AutoTokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -502,6 +508,12 @@ class ModelRunner:
         if enable_lora:
             self.lora = LoraPool(self.pool, self.shape, max_rank=max_lora_rank, block_size=block_size,
                                  fixed_slots=fixed_lora_slots, dtype=adapter_dtype)
+        # The weights on 2 MB pages (inference_worker.huge_pages): every decode step streams all of them, and on 4 KB
+        # pages SmolLM2's 64-row GEMMs ran 147-164 GFLOP/s in the engine against 170-177 on 2 MB pages (2026-12-03).
+        # The pool is already advised (memory_pool._huge_pages); this covers what torch's allocator holds.
+        self.huge_pages: Collapse | None = None
+        if huge_pages and self.device.type == "cpu" and self.weights_bytes >= HUGE_PAGES_MIN_WEIGHTS:
+            self.huge_pages = collapse_resident_memory()
 
     def workspace_estimate(self) -> int:
         """The activation workspace of the largest step, by the shared arithmetic (protocol.memory)."""
