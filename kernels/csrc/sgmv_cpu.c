@@ -36,15 +36,6 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* LORA_PF: software prefetch inside a segment, into L2. A decode step's segments are 1-4 tokens of one adapter
- * each, so every A row (d_in floats) and every group of four B rows is a short stream the hardware prefetcher
- * meets cold; the shrink fetches the A row LORA_PF rows ahead, the expand the next four B rows of its tile. On
- * SmolLM2's fleet (bench/breakdown.py --modes fleet, Zen 4, 2026-12-03, two processes of each alternating) the
- * decode steps' LoRA took 1.56-1.73 s a pass (median 1.58) against 1.63-1.87 (median 1.73) without. 0 turns it off. */
-#ifndef LORA_PF
-#define LORA_PF 2
-#endif
-
 #define NB 1024  /* expand: output columns per tile; TB x NB fp32 accumulators (16 KB) stay in L1 */
 
 typedef struct {

@@ -19,10 +19,6 @@ static void SFX(shrink_unit)(const float *x, int64_t sx, const WT *arows, int64_
         for (int j = 0; j < nrows; j++) {
             const WT *ar = arows + j * sar;
             float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#if LORA_PF
-            if (t0 == 0 && j + LORA_PF < nrows)  /* a row LORA_PF ahead into L2 (see LORA_PF) */
-                for (int64_t c = 0; c < d_in; c += 64 / (int64_t)sizeof(WT)) __builtin_prefetch(ar + LORA_PF * sar + c, 0, 2);
-#endif
 #ifdef VEC8
             __m256 v0 = _mm256_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;
             int64_t k = 0;
@@ -79,11 +75,6 @@ static void SFX(expand_unit_rank_major)(const float *y, int64_t sy, const WT *b,
             int j = 0;
             for (; j + 4 <= rank; j += 4) {  /* four rank rows per pass: a quarter of the acc traffic */
                 const WT *w0 = b + j * sbr + n0, *w1 = w0 + sbr, *w2 = w1 + sbr, *w3 = w2 + sbr;
-#if LORA_PF
-                if (t0 == 0)  /* the next four rows' tile into L2 while these are read (see LORA_PF) */
-                    for (int r = 4; r < 8 && j + r < rank; r++)
-                        for (int i = 0; i < w; i += line) __builtin_prefetch(w0 + r * sbr + i, 0, 2);
-#endif
                 if (n0 + 2 * NB <= ncols)  /* next tile of these rows: rank streams outrun the hw prefetcher */
                     for (int i = 0; i < NB; i += line) {
                         __builtin_prefetch(w0 + NB + i); __builtin_prefetch(w1 + NB + i);
