@@ -83,12 +83,16 @@ static inline float hsum8(__m256 v) {
 #endif
 #define WT float
 #define LD(v) (v)
+#if defined(__AVX2__) && defined(__FMA__)
+#define ROWS8(p) _mm256_loadu_ps(p)
+#endif
 #define SFX(name) name##_f32
 #include "sgmv_units.h"
 #define WT uint16_t
 #define LD(v) bf16_to_f32(v)
 #if defined(__AVX2__) && defined(__FMA__)
 #define VEC8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define ROWS8(p) VEC8(p)
 #endif
 #define SFX(name) name##_bf16
 #include "sgmv_units.h"
@@ -96,6 +100,7 @@ static inline float hsum8(__m256 v) {
 #define LD(v) f16_to_f32(v)
 #if defined(__F16C__) && defined(__FMA__)
 #define VEC8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define ROWS8(p) VEC8(p)
 #endif
 #define SFX(name) name##_f16
 #include "sgmv_units.h"

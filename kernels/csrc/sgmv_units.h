@@ -8,6 +8,59 @@
  * one function left the expand's loops scalar). x, y, out and every sum are fp32 whatever WT is. The
  * header undefines its parameters at the end, ready for the next type. */
 
+#if defined(ROWS8) && !defined(SHRINK_ONE_ROW)
+/* R rows of A against NT tokens at once: R x NT independent accumulators. One row against one token is a single
+ * chain of dependent FMAs (4 cycles each on current x86 cores, 8 lanes a step: 2 weights a cycle), so a decode
+ * segment's shrink, mostly one or two tokens, ran at that chain's pace, not the loads'; R x NT >= 8 chains keep
+ * both FMA ports busy. R and NT are constants where it is called (always_inline), so the accumulators stay in
+ * registers. s[r * NT + t] = A[r, :] . x_t. */
+static inline __attribute__((always_inline)) void SFX(shrink_block)(const float *const *xs, const WT *ar, int64_t sar,
+                                                                  const int R, const int NT, float *s, int64_t d_in) {
+    __m256 acc[8][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= d_in; k += 8) {
+        __m256 xv[4];
+        for (int t = 0; t < NT; t++) xv[t] = _mm256_loadu_ps(xs[t] + k);
+        for (int r = 0; r < R; r++) {
+            const __m256 a = ROWS8(ar + r * sar + k);
+            for (int t = 0; t < NT; t++) acc[r][t] = _mm256_fmadd_ps(a, xv[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) {
+            float v = hsum8(acc[r][t]);
+            for (int64_t kk = k; kk < d_in; kk++) v += LD(ar[r * sar + kk]) * xs[t][kk];
+            s[r * NT + t] = v;
+        }
+}
+
+/* Rows in groups of 8 / 4 / 2 for blocks of 1 / 2 / 3-4 tokens (8 chains each), the remainder one at a time. */
+#define SHRINK_ROWS(R, NT)                                                                                       \
+    for (; j + (R) <= nrows; j += (R)) {                                                                         \
+        float s[(R) * (NT)];                                                                                     \
+        SFX(shrink_block)(xs, arows + j * sar, sar, (R), (NT), s, d_in);                                         \
+        for (int r = 0; r < (R); r++)                                                                            \
+            for (int t = 0; t < (NT); t++) y[(t0 + t) * sy + j + r] = s[r * (NT) + t];                           \
+    }
+static void SFX(shrink_unit)(const float *x, int64_t sx, const WT *arows, int64_t sar, int nrows, float *y,
+                             int64_t sy, int64_t len, int64_t d_in) {
+    for (int64_t t0 = 0; t0 < len; t0 += TB) {
+        const int nt = (int)min64(TB, len - t0);
+        const float *xs[4];
+        for (int t = 0; t < 4; t++) xs[t] = x + (t0 + (t < nt ? t : 0)) * sx;
+        int j = 0;
+        switch (nt) {
+            case 1: SHRINK_ROWS(8, 1) SHRINK_ROWS(1, 1) break;
+            case 2: SHRINK_ROWS(4, 2) SHRINK_ROWS(1, 2) break;
+            case 3: SHRINK_ROWS(2, 3) SHRINK_ROWS(1, 3) break;
+            default: SHRINK_ROWS(2, 4) SHRINK_ROWS(1, 4) break;
+        }
+    }
+}
+#undef SHRINK_ROWS
+#else
 static void SFX(shrink_unit)(const float *x, int64_t sx, const WT *arows, int64_t sar, int nrows, float *y,
                              int64_t sy, int64_t len, int64_t d_in) {
     for (int64_t t0 = 0; t0 < len; t0 += TB) {
@@ -54,6 +107,7 @@ static void SFX(shrink_unit)(const float *x, int64_t sx, const WT *arows, int64_
         }
     }
 }
+#endif
 
 /* B stored rank-major ([r, d_out] rows of B^T): each rank row of B is a contiguous run of output
  * columns, so the expand is a sum of rank axpys streaming exactly rank x d_out weights (measured against
@@ -166,3 +220,4 @@ static void SFX(run_segment)(const void *args, int64_t g) {
 #undef LD
 #undef SFX
 #undef VEC8
+#undef ROWS8
