@@ -446,8 +446,8 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
         FleetCeiling,
         adapter_bytes,
         best_of,
+        cache_that_holds,
         decode_kv_bytes,
-        last_level_cache_bytes,
         measure_rates,
         read_bandwidth,
         workload_limit,
@@ -570,7 +570,7 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
     from bench.engine import ALL_TARGETS
 
     ceiling = FleetCeiling(step_bytes=sum(adapter_bytes(cfg, w.ranks[a], ALL_TARGETS) for a in set(w.adapter_of)),
-                           steps=w.new_tokens, cached_bytes=last_level_cache_bytes(), read_bytes_per_s=read_bw,
+                           steps=w.new_tokens, cached_bytes=cache_that_holds(read_bw), read_bytes_per_s=read_bw,
                            base_seconds=best["lorafleet", "base"][0], limit_seconds=limit.seconds)
     print(f"  {ceiling.describe()}", flush=True)
     result["fleet_ceiling"] = ceiling.as_dict()
