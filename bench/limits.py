@@ -237,8 +237,8 @@ class FleetCeiling:
     In every step where a request runs, its adapter's A and B of every layer are read once (its prefill's last
     step and each of its decode steps: `new_tokens` steps at least); a step's adapters far exceed the L3, so at
     most what the caches hold (`cache_that_holds`, never more than the L3's size) is still cached from the step
-    before. At the plain read's speed those bytes take
-    `read_seconds`, time a fleet pass spends beyond the base-only pass's work: with one thread per core nothing
+    before. At the plain read's speed those bytes take `read_seconds`, time a fleet pass spends beyond the
+    base-only pass's work: with one thread per core nothing
     else runs while a core reads them. The LoRA term's arithmetic is left out (it can only add), so this is an
     upper bound, not an estimate (bench/lora_step.py measures what the kernel adds). So fleet/base can be at
     most b / (b + read_seconds) for a base-only pass of b seconds, and at most `at_limit_goal` when base-only runs

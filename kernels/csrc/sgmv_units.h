@@ -52,7 +52,7 @@ static inline __attribute__((always_inline)) void SFX(shrink_block)(const float 
 #define SHRINK_ROWS(R, NT)                                                                                       \
     for (; j + (R) <= nrows; j += (R)) {                                                                         \
         float s[(R) * (NT)];                                                                                     \
-        SFX(shrink_block)(xs, arows + j * sar, sar, (R), (NT), s, d_in, &pf, pf_end);                                         \
+        SFX(shrink_block)(xs, arows + j * sar, sar, (R), (NT), s, d_in, &pf, pf_end);                            \
         for (int r = 0; r < (R); r++)                                                                            \
             for (int t = 0; t < (NT); t++) y[(t0 + t) * sy + j + r] = s[r * (NT) + t];                           \
     }
@@ -267,18 +267,17 @@ static void SFX(run_segment)(const void *args, int64_t g) {
     const int64_t slot = p->slots[g], start = p->starts[g], len = p->lens[g];
     const int rank = p->ranks[g];
     float *y = p->y + start * p->sy;  /* [len, >= rank] scratch rows of this segment */
-    const char *b_bytes = (const char *)(w + p->b_offs[slot]);
-    SFX(shrink_unit)(p->x + start * p->sx, p->sx, w + p->a_offs[slot], p->d_in, rank, y, p->sy, len, p->d_in, b_bytes,
-                     b_bytes + (size_t)rank * (size_t)p->d_out * sizeof(WT));
+    const WT *b = w + p->b_offs[slot];
+    float *out = p->out + start * p->so;
+    SFX(shrink_unit)(p->x + start * p->sx, p->sx, w + p->a_offs[slot], p->d_in, rank, y, p->sy, len, p->d_in,
+                     (const char *)b, (const char *)(b + (size_t)rank * (size_t)p->d_out));
     int64_t c = 0;  /* columns done */
 #if defined(ROWS8)
-    if (len <= 2)
-        c = SFX(expand_short)(y, p->sy, w + p->b_offs[slot], p->d_out, rank, p->out + start * p->so, p->so, len,
-                              p->d_out, p->scales[slot]);
+    if (len <= 2) c = SFX(expand_short)(y, p->sy, b, p->d_out, rank, out, p->so, len, p->d_out, p->scales[slot]);
 #endif
     if (c < p->d_out)
-        SFX(expand_unit_rank_major)(y, p->sy, w + p->b_offs[slot] + c, p->d_out, rank, p->out + start * p->so + c,
-                                    p->so, len, p->d_out - c, p->scales[slot]);
+        SFX(expand_unit_rank_major)(y, p->sy, b + c, p->d_out, rank, out + c, p->so, len, p->d_out - c,
+                                    p->scales[slot]);
 }
 
 #undef WT
