@@ -278,7 +278,7 @@ class Lorafleet:
 
     def __init__(self, w: Workload, packed_weights: bool | None = None, adapter_dtype=None,
                  pack_tied_head: bool | None = None, step_kernels: bool | None = None,
-                 huge_pages: bool | None = None):
+                 huge_pages: bool | None = None, native_gemm: bool | None = None):
         import hashlib
 
         from bench.engine import ALL_TARGETS
@@ -309,6 +309,8 @@ class Lorafleet:
             kw["step_kernels"] = step_kernels
         if huge_pages is not None:
             kw["huge_pages"] = huge_pages
+        if native_gemm is not None:
+            kw["native_gemm"] = native_gemm
         probe = ModelRunner(w.base, pool_pages=1, max_lora_rank=w.max_rank, enable_lora=True,
                             **{k: v for k, v in kw.items() if k in ("adapter_dtype", "huge_pages")})
         pages = kv_pages + sum(probe.lora.pages_for(w.ranks[a], ALL_TARGETS) for a in set(w.adapter_of))
@@ -639,6 +641,14 @@ def packing_ab(name: str, workdir: Path, rounds: int) -> dict:
     return _alternating(w, engines, rounds, "projections through pre-packed oneDNN vs F.linear")
 
 
+def gemm_ab(name: str, workdir: Path, rounds: int) -> dict:
+    """lorafleet with its projections and LM head on the native fp32 GEMM (kernels.gemm, the default where it runs)
+    against oneDNN's packed GEMM (native_gemm=False), base-only and fleet, passes alternating; best of `rounds`."""
+    w = WORKLOADS[name](workdir)
+    engines = {"native": Lorafleet(w, native_gemm=True), "onednn": Lorafleet(w, native_gemm=False)}
+    return _alternating(w, engines, rounds, "projections on the native GEMM vs oneDNN's packed GEMM")
+
+
 def tied_head_ab(name: str, workdir: Path, rounds: int) -> dict:
     """lorafleet with a tied LM head packed into a copy for oneDNN (the default) against oneDNN on the embedding
     table as stored (pack_tied_head=False), base-only and fleet, passes alternating; best of `rounds`."""
@@ -723,6 +733,8 @@ def run_main(argv: list[str]) -> None:
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM (and building its venv)")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--packing-ab", action="store_true", help="only lorafleet: pre-packed oneDNN vs F.linear")
+    ap.add_argument("--gemm-ab", action="store_true",
+                    help="only lorafleet: projections on the native fp32 GEMM vs oneDNN's packed GEMM")
     ap.add_argument("--adapter-dtype-ab", action="store_true",
                     help="only lorafleet: adapters stored in fp32 vs the 16-bit adapter pool (fp16, bf16)")
     ap.add_argument("--tied-head-ab", action="store_true",
@@ -735,8 +747,8 @@ def run_main(argv: list[str]) -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch "
           f"{torch.__version__}, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', 'default')}; load average {load():.1f}", flush=True)
-    if args.packing_ab or args.adapter_dtype_ab or args.tied_head_ab or args.step_kernels_ab:
-        ab = (packing_ab if args.packing_ab else tied_head_ab if args.tied_head_ab
+    if args.packing_ab or args.adapter_dtype_ab or args.tied_head_ab or args.step_kernels_ab or args.gemm_ab:
+        ab = (packing_ab if args.packing_ab else gemm_ab if args.gemm_ab else tied_head_ab if args.tied_head_ab
               else step_kernels_ab if args.step_kernels_ab else adapter_dtype_ab)
         out = [ab(name, workdir, args.rounds) for name in args.workloads.split(",")]
         print(f"load average at end {load():.1f}")

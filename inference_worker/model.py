@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import StepKernels, paged_decode_attention, rope_kv_write
+from kernels import StepKernels, gemm_available, paged_decode_attention, rope_kv_write
+from kernels import gemm as native_gemm
+from kernels import gemm_pack as native_gemm_pack
 from kernels import rms_norm as native_rms_norm
 from protocol.lora_layout import ModelShape
 from protocol.memory import PACK_MIN_HIDDEN, PoolSplit, page_elements, split_budget, workspace_bytes
@@ -246,27 +248,46 @@ class Projection:
     the row count (the hint only picks it), so one packed copy serves decode and prefill. `onednn` without
     `pack_rows`: oneDNN on the weight as stored (a tied LM head with pack_tied_head=False: the embedding table,
     which must stay a plain tensor for the token lookup, so packing it means a second copy). The output is an
-    ordinary dense tensor, so LoRA's column views of fused outputs work as before. Neither: F.linear / addmm_
-    (other devices and dtypes, or packed_weights=False).
+    ordinary dense tensor, so LoRA's column views of fused outputs work as before. `native`: the weight packed
+    once into panels of 48 output columns for kernels.gemm (csrc/gemm_f32.h, AVX-512), which prefetches each panel
+    while the one before it is multiplied: SmolLM2's projections at 64 rows ran 292-313 GFLOP/s on it against
+    oneDNN's 197-218 on the Intel Xeon host (bench/limits.py; the runner takes it wherever it runs). Neither:
+    F.linear / addmm_ (other devices and dtypes, or packed_weights=False).
     """
 
-    __slots__ = ("weight", "bias", "onednn")
+    __slots__ = ("weight", "bias", "onednn", "native", "out_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack_rows: int | None = None,
-                 onednn: bool = False):
+                 onednn: bool = False, native: bool = False):
         self.bias = bias
-        self.onednn = onednn or pack_rows is not None
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, pack_rows) if pack_rows is not None else weight
+        self.out_features = weight.shape[0]
+        self.native = native
+        self.onednn = not native and (onednn or pack_rows is not None)
+        if native:
+            packed = native_gemm_pack(weight.contiguous())
+            if packed is None:
+                raise ValueError("native=True needs the native fp32 GEMM (kernels.gemm_available()) and a fp32 CPU weight")
+            self.weight = packed
+        elif pack_rows is not None:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, pack_rows)
+        else:
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T + b."""
+        if self.native:
+            return native_gemm(x, self.weight, self.out_features, self.bias, threads=torch.get_num_threads())
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out + x @ W^T + b, the residual add fused into the GEMM: oneDNN's binary-add post-op (a new tensor),
-        or BLAS beta = 1 into `out` in place. Use the returned tensor."""
+        or BLAS beta = 1 into `out` in place (and the native GEMM too). Use the returned tensor."""
+        if self.native and out.stride(1) == 1:
+            return native_gemm(x, self.weight, self.out_features, self.bias, out, threads=torch.get_num_threads())
+        if self.native:
+            return out.add_(self(x))
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise.binary(x, out, self.weight, self.bias, "add")
         out.addmm_(x, self.weight.t())
@@ -295,12 +316,13 @@ class Block:
                                for b, d in zip(biases, dims, strict=True)])
         if any(f"mlp.{p}.bias" in w for p in ("gate_proj", "up_proj", "down_proj")):
             raise ValueError("MLP biases (mlp_bias=True) are not supported")
-        pack = runner.pack_rows
-        self.qkv = Projection(w_qkv, b_qkv, pack_rows=pack)  # fused q/k/v
-        self.o = Projection(w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"), pack_rows=pack)
+        pack, native = runner.pack_rows, runner.native_gemm
+        self.qkv = Projection(w_qkv, b_qkv, pack_rows=pack, native=native)  # fused q/k/v
+        self.o = Projection(w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"), pack_rows=pack,
+                            native=native)
         self.gate_up = Projection(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]).contiguous(),
-                                  pack_rows=pack)  # [2 intermediate, hidden]
-        self.down = Projection(w["mlp.down_proj.weight"], pack_rows=pack)  # [hidden, intermediate]
+                                  pack_rows=pack, native=native)  # [2 intermediate, hidden]
+        self.down = Projection(w["mlp.down_proj.weight"], pack_rows=pack, native=native)  # [hidden, intermediate]
         self.window = cfg.sliding_windows[layer]
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -426,7 +448,8 @@ class ModelRunner:
                  enable_lora: bool = True, memory_bytes: int | None = None, pool_pages: int | None = None,
                  max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0,
                  packed_weights: bool | None = None, adapter_dtype: torch.dtype | None = None,
-                 pack_tied_head: bool | None = None, step_kernels: bool = True, huge_pages: bool = True) -> None:
+                 pack_tied_head: bool | None = None, step_kernels: bool = True, huge_pages: bool = True,
+                 native_gemm: bool | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -452,6 +475,14 @@ class ModelRunner:
         elif packed_weights and not onednn_packing_available(self.device, self.dtype):
             raise ValueError("packed_weights=True needs a CPU runner in fp32 and a torch built with oneDNN")
         self.pack_rows: int | None = max_running if packed_weights else None  # the layout hint: the decode batch
+        # Packed weights go to the native fp32 GEMM (kernels.gemm, csrc/gemm_f32.h) instead of oneDNN wherever it runs
+        # (AVX-512 and a C compiler): at the decode batch it streams the weights ~1.4x as fast (see Projection).
+        # native_gemm=False keeps oneDNN (A/B: bench/peers.py --gemm-ab).
+        if native_gemm is None:
+            native_gemm = bool(packed_weights) and gemm_available()
+        elif native_gemm and not (packed_weights and gemm_available()):
+            raise ValueError("native_gemm=True needs packed weights and the native GEMM (AVX-512 and a C compiler)")
+        self.native_gemm = native_gemm
         # Decode attention on CPU in fp32 reads K/V in place from the pages (kernels/csrc/sgmv_cpu.c) instead of
         # gathering them for SDPA; False (or LORAFLEET_KERNELS_NATIVE=0, or no C compiler) keeps the gather.
         self.native_attention = self.device.type == "cpu" and self.dtype == torch.float32
@@ -475,9 +506,9 @@ class ModelRunner:
             raise ValueError("pack_tied_head=True needs packed weights and a model whose LM head is its embedding table")
         self.head_copy_bytes = 0
         if head is not None and not tied:
-            self.head = Projection(head, pack_rows=self.pack_rows)
+            self.head = Projection(head, pack_rows=self.pack_rows, native=native_gemm)
         elif packed_weights and pack_tied_head is not False:
-            self.head = Projection(self.embed, pack_rows=self.pack_rows)
+            self.head = Projection(self.embed, pack_rows=self.pack_rows, native=native_gemm)
             self.head_copy_bytes = self.embed.numel() * self.embed.element_size()
             self.weights_bytes += self.head_copy_bytes
         else:

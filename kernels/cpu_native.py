@@ -20,7 +20,8 @@ import threading
 from pathlib import Path
 
 _SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.c"
-_HEADERS = (Path(__file__).parent / "csrc" / "sgmv_units.h",)  # included by _SOURCE: part of the cache key
+_HEADERS = (Path(__file__).parent / "csrc" / "sgmv_units.h",
+            Path(__file__).parent / "csrc" / "gemm_f32.h")  # included by _SOURCE: part of the cache key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
 # Decode attention and SGMV run on the caller's OpenMP team (csrc/sgmv_cpu.c says why). The library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (torch is imported first, in load()), so
@@ -68,6 +69,12 @@ _ROPE_ARGTYPES = (
 _SWIGLU_ARGTYPES = (
     _i64, _i64, _p, _i64,  # rows T, intermediate width n, gu [T, >= 2n], its row stride
     _p, _i64, ctypes.c_int,  # out [T, n], its row stride, threads
+)
+_GEMM_ARGTYPES = (
+    _i64, _i64, _i64,  # rows M, in features K, out features N
+    _p, _i64,  # x [M, K], its row stride
+    _p, _p,  # the packed weight (gemm_pack_f32), bias [N] or NULL
+    _p, _i64, ctypes.c_int, ctypes.c_int,  # out [M, N], its row stride, accumulate into out, threads
 )
 _ARGMAX_ARGTYPES = (
     _i64, _i64, _p, _i64,  # rows T, row length n, x [T, n], its row stride
@@ -151,6 +158,13 @@ def load() -> ctypes.CDLL | None:
         lib.swiglu_f32.restype = None
         lib.argmax_rows_f32.argtypes = _ARGMAX_ARGTYPES
         lib.argmax_rows_f32.restype = None
+        lib.gemm_f32.argtypes = _GEMM_ARGTYPES
+        lib.gemm_f32.restype = None
+        lib.gemm_pack_f32.argtypes = (_i64, _i64, _p, _i64, _p)
+        lib.gemm_pack_f32.restype = None
+        lib.gemm_packed_elems.argtypes = (_i64, _i64)
+        lib.gemm_packed_elems.restype = _i64
+        lib.gemm_f32_available.restype = ctypes.c_int
         _lib = lib
     return _lib
 
@@ -257,6 +271,47 @@ def argmax_rows(x, *, threads: int):
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.argmax_rows_f32(x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), out.data_ptr(), threads)
+    return out
+
+
+def gemm_available() -> bool:
+    """Whether the native fp32 GEMM on packed weights (csrc/gemm_f32.h) runs here: the library builds, with AVX-512."""
+    lib = load()
+    return lib is not None and bool(lib.gemm_f32_available())
+
+
+def gemm_pack(weight):
+    """A weight [N, K] (fp32, CPU, rows contiguous) packed for `gemm` -> a flat fp32 tensor; None when the native
+    GEMM does not run here."""
+    import torch
+
+    if (not gemm_available() or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
+            or weight.stride(1) != 1):
+        return None
+    n, k = weight.shape
+    packed = torch.empty(_lib.gemm_packed_elems(n, k), dtype=torch.float32)
+    _lib.gemm_pack_f32(n, k, weight.data_ptr(), weight.stride(0), packed.data_ptr())
+    return packed
+
+
+def gemm(x, packed, n: int, bias=None, out=None, *, threads: int):
+    """x [M, K] @ W^T (+ bias) for W [n, K] packed by `gemm_pack`, into a new [M, n] tensor, or added to `out`
+    [M, n] in place (the residual add) when it is given -> that tensor. x is made row-contiguous if it is not; out
+    must be (its rows contiguous). Sums in fp32, each output element over k in order, then + bias, then + out."""
+    import torch
+
+    if x.dim() != 2 or x.dtype != torch.float32 or packed.numel() != _lib.gemm_packed_elems(n, x.shape[1]):
+        raise ValueError(f"gemm: x {tuple(x.shape)} {x.dtype} does not fit a packed weight of {n} outputs")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    acc = out is not None
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != torch.float32:
+        raise ValueError(f"gemm: out {tuple(out.shape)} is not [{m}, {n}] fp32 with contiguous rows")
+    _lib.gemm_f32(m, x.shape[1], n, x.data_ptr(), x.stride(0), packed.data_ptr(),
+                  bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), int(acc), threads)
     return out
 
 

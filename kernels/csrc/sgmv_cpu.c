@@ -695,3 +695,6 @@ void argmax_rows_f32(int64_t T, int64_t n, const float *x, int64_t sx, int64_t *
     argmax_args a = {x, out, sx, n, per, T};
     parallel_for_team(argmax_unit, &a, (T + per - 1) / per, nthreads);
 }
+
+/* ---- the projections' fp32 GEMM on packed weights (gemm_f32.h) ---------------------------------- */
+#include "gemm_f32.h"

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from inference_worker.model import ModelRunner, SeqStep, onednn_packing_available
+from kernels import gemm_available
 from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
 from protocol.lora_layout import peft_scale
 from tests.support.peft_factory import make_random_peft_adapter
@@ -69,15 +70,21 @@ def load_peft_into(runner: ModelRunner, adapter_dir) -> int:
     return runner.load_adapter(weights, rank=cfg["r"], scale=peft_scale(cfg["lora_alpha"], cfg["r"], cfg["use_rslora"]))
 
 
-# The tiny models are below PACK_MIN_HIDDEN, so by default they run F.linear; packed=True runs the same checks on
-# oneDNN's pre-packed GEMMs, the path wider models take by default.
-PACKED = [False, pytest.param(True, marks=pytest.mark.skipif(
-    not onednn_packing_available(torch.device("cpu"), torch.float32), reason="torch without oneDNN linear ops"))]
+# The tiny models are below PACK_MIN_HIDDEN, so by default they run F.linear; the other two run the same checks on
+# the GEMMs wider models take by default: the native GEMM on packed panels (kernels.gemm, AVX-512) where it runs,
+# oneDNN's pre-packed GEMM elsewhere.
+NO_ONEDNN = not onednn_packing_available(torch.device("cpu"), torch.float32)
+PACKED = [{"packed_weights": False},
+          pytest.param({"packed_weights": True, "native_gemm": False},
+                       marks=pytest.mark.skipif(NO_ONEDNN, reason="torch without oneDNN linear ops")),
+          pytest.param({"packed_weights": True, "native_gemm": True},
+                       marks=pytest.mark.skipif(NO_ONEDNN or not gemm_available(), reason="no AVX-512 here"))]
+PACKED_IDS = ["F.linear", "onednn-packed", "native-gemm"]
 
 
-@pytest.mark.parametrize("packed", PACKED, ids=["F.linear", "onednn-packed"])
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
 def test_prefill_and_decode_logits_match_transformers(tiny_base, packed):
-    runner = ModelRunner(tiny_base, pool_pages=256, packed_weights=packed)
+    runner = ModelRunner(tiny_base, pool_pages=256, **packed)
     model = hf_model(tiny_base)
     seq = Seq(runner, len(PROMPT) + 21)
     ours = runner.forward([seq.step(PROMPT)])[0]
@@ -95,9 +102,9 @@ def test_prefill_and_decode_logits_match_transformers(tiny_base, packed):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("packed", PACKED, ids=["F.linear", "onednn-packed"])
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
 def test_greedy_tokens_match_transformers_for_32_steps(tiny_base, packed):
-    runner = ModelRunner(tiny_base, pool_pages=256, enable_lora=False, packed_weights=packed)
+    runner = ModelRunner(tiny_base, pool_pages=256, enable_lora=False, **packed)
     theirs = hf_greedy(hf_model(tiny_base), PROMPT, 32)
     assert len(theirs) == 32
     assert greedy(runner, PROMPT, 32) == theirs
@@ -133,16 +140,17 @@ def test_peft_adapter_greedy_tokens_match_peft_generate(request, tmp_path, arch,
     assert ours != greedy(runner, PROMPT, 32, slot=-1)
 
 
-@pytest.mark.skipif(not onednn_packing_available(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
-def test_peft_adapter_on_packed_weights_matches_peft_generate(tiny_qwen2, tmp_path):
-    """LoRA adds into column views of the fused q/k/v and gate/up outputs: on oneDNN's packed GEMMs too."""
+@pytest.mark.parametrize("packed", PACKED[1:], ids=PACKED_IDS[1:])
+def test_peft_adapter_on_packed_weights_matches_peft_generate(tiny_qwen2, tmp_path, packed):
+    """LoRA adds into column views of the fused q/k/v and gate/up outputs (and Qwen2's q/k/v biases): on oneDNN's
+    packed GEMMs and the native GEMM too."""
     from peft import PeftModel
 
     adapter = make_random_peft_adapter(tiny_qwen2, tmp_path / "adapter", r=32, alpha=64, target_modules=ALL_TARGETS,
                                        seed=32)
     theirs = hf_greedy(PeftModel.from_pretrained(hf_model(tiny_qwen2), str(adapter)).eval(), PROMPT, 32)
-    runner = ModelRunner(tiny_qwen2, pool_pages=256, max_lora_rank=64, packed_weights=True)
-    assert runner.pack_rows is not None
+    runner = ModelRunner(tiny_qwen2, pool_pages=256, max_lora_rank=64, **packed)
+    assert runner.pack_rows is not None and runner.native_gemm == packed["native_gemm"]
     slot = load_peft_into(runner, adapter)
     ours = greedy(runner, PROMPT, 32, slot=slot)
     assert ours == theirs and ours != greedy(runner, PROMPT, 32, slot=-1)

@@ -1,0 +1,96 @@
+"""The native fp32 GEMM on packed weights (kernels/csrc/gemm_f32.h, `gemm_pack` / `gemm`): x @ W^T (+ bias)
+(+ out, the residual) against a float64 reference, at decode batches, prefill chunks and the row counts between
+(every row-block tail), output widths that end mid-panel and mid-vector, rows of wider buffers, one and two
+threads, and more rows than one pass over the weights takes. (tests/engine/test_model_parity.py: the runner on it
+against transformers and PEFT.)"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_native, gemm, gemm_available, gemm_pack
+
+pytestmark = pytest.mark.skipif(not gemm_available(), reason="the native GEMM needs AVX-512 (and gcc)")
+
+
+def reference(x, w, bias=None, out=None):
+    y = x.double() @ w.double().T
+    if bias is not None:
+        y += bias.double()
+    if out is not None:
+        y += out.double()
+    return y
+
+
+def close(got, want, k):
+    """fp32 sums of k products of unit-scale terms: within a few ulps of sqrt(k)-sized partial sums."""
+    err = (got.double() - want).abs().max().item() if got.numel() else 0.0
+    assert err <= 2e-6 * k ** 0.5 * max(1.0, want.abs().max().item() if want.numel() else 1.0), err
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 15, 17, 64, 65, 512])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_row_block_tail_matches_the_reference(m, threads):
+    g = torch.Generator().manual_seed(m)
+    k, n = 96, 112  # two panels: one of 48 columns, one of 64 left -> 48 + 16
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    got = gemm(x, gemm_pack(w), n, threads=threads)
+    assert got.shape == (m, n) and got.is_contiguous()
+    close(got, reference(x, w), k)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 33, 47, 48, 49, 95, 100, 960, 3072])
+def test_output_widths_ending_mid_panel_and_mid_vector(n):
+    g = torch.Generator().manual_seed(n)
+    k = 576
+    w, x, bias = torch.randn(n, k, generator=g), torch.randn(64, k, generator=g), torch.randn(n, generator=g)
+    packed = gemm_pack(w)
+    assert packed.numel() == (n + 15) // 16 * 16 * k  # zero-padded to whole vectors, nothing more
+    close(gemm(x, packed, n, bias, threads=2), reference(x, w, bias), k)
+
+
+@pytest.mark.parametrize("k", [1, 3, 64, 1536])
+def test_the_residual_add_and_bias_go_into_out_in_place(k):
+    g = torch.Generator().manual_seed(k)
+    m, n = 20, 200
+    w, x, bias = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    residual = torch.randn(m, n, generator=g)
+    out = residual.clone()
+    got = gemm(x, gemm_pack(w), n, bias, out, threads=2)
+    assert got.data_ptr() == out.data_ptr()
+    close(got, reference(x, w, bias, residual), k)
+
+
+def test_rows_of_wider_buffers_and_more_rows_than_one_pass():
+    """x a column slice of a wider activation (rows ldx apart), out the rows of a wider buffer, and 1100 rows:
+    the weights are streamed once per 512 rows."""
+    g = torch.Generator().manual_seed(7)
+    m, k, n = 1100, 80, 130
+    wide_x = torch.randn(m, k + 24, generator=g)
+    x = wide_x[:, 8:8 + k]
+    w = torch.randn(n, k, generator=g)
+    wide_out = torch.randn(m, n + 10, generator=g)
+    before = wide_out.clone()
+    out = wide_out[:, :n]
+    gemm(x, gemm_pack(w), n, out=out, threads=2)
+    close(out, reference(x, w, out=before[:, :n]), k)
+    assert torch.equal(wide_out[:, n:], before[:, n:])  # nothing written beyond the n columns
+
+
+def test_agrees_with_torch_at_the_models_shapes():
+    """SmolLM2's fused gate/up at the decode batch: within fp32 rounding of torch's own GEMM."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3072, 576, generator=g) / 24, torch.randn(64, 576, generator=g)
+    torch.testing.assert_close(gemm(x, gemm_pack(w), 3072, threads=2), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_no_rows_and_what_it_does_not_take():
+    w = torch.randn(48, 16)
+    packed = gemm_pack(w)
+    assert gemm(torch.empty(0, 16), packed, 48, threads=2).shape == (0, 48)
+    assert gemm_pack(w.double()) is None
+    assert gemm_pack(torch.randn(16, 48).t()) is None  # rows not contiguous
+    with pytest.raises(ValueError, match="does not fit"):
+        gemm(torch.randn(4, 17), packed, 48, threads=1)  # K differs from the packed weight's
+    with pytest.raises(ValueError, match="contiguous rows"):
+        gemm(torch.randn(4, 16), packed, 48, torch.zeros(48), torch.zeros(48, 4).t(), threads=1)
+    assert cpu_native.load() is not None
