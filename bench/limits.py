@@ -37,6 +37,10 @@ from dataclasses import dataclass, field
 import torch
 
 IMPLS = ("F.linear", "onednn", "onednn_packed")
+# lorafleet's own GEMM (kernels.gemm, csrc/gemm_f32.h), where it runs: timed beside torch's and printed, but not in
+# the limit, which stays what the issue defines, the fastest fp32 GEMM torch offers. The runner takes it by default;
+# bench/peers.py prints lorafleet's base-only pass against both.
+OWN_IMPL = "lorafleet_native"
 
 
 def onednn_available() -> bool:
@@ -66,15 +70,15 @@ class GemmRates:
     """fp32 GEMM FLOP/s at one row count: per implementation over the whole model, and the per-shape best."""
 
     rows: int
-    by_impl: dict[str, float]  # impl -> FLOP/s over all the model's GEMMs (layers and head)
-    best: float  # FLOP/s with the faster impl at each shape
+    by_impl: dict[str, float]  # impl -> FLOP/s over all the model's GEMMs (layers and head); OWN_IMPL's too
+    best: float  # FLOP/s with the fastest of torch's impls at each shape (OWN_IMPL is not one)
     best_impl: dict[str, str] = field(default_factory=dict)  # shape -> impl that won
     load_average: float = 0.0
 
     def line(self) -> str:
         impls = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in self.by_impl.items())
         won = ", ".join(f"{s}: {i}" for s, i in self.best_impl.items())
-        return (f"{self.rows:4d} rows: {self.best / 1e9:6.1f} GFLOP/s fastest per shape ({impls}; "
+        return (f"{self.rows:4d} rows: {self.best / 1e9:6.1f} GFLOP/s fastest of torch's per shape ({impls}; "
                 f"fastest: {won}); load average {self.load_average:.1f}")
 
 
@@ -85,8 +89,10 @@ def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None
     count; the head once), both implementations alternating, best of `repeats` passes per shape and impl."""
     from inference_worker.huge_pages import collapse_resident_memory
     from inference_worker.model import Projection  # the runner's GEMM, in each of its three forms
+    from kernels import gemm_available
 
     impls = [i for i in IMPLS if i == "F.linear" or onednn_available()]
+    timed_impls = impls + ([OWN_IMPL] if gemm_available() else [])
     g = torch.Generator().manual_seed(seed)
     n_layers = layers or cfg.num_layers
     shapes = [(name, n, o, n_layers) for name, n, o in layer_shapes(cfg)]
@@ -95,16 +101,16 @@ def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None
     for name, n, o, count in shapes:
         ws = [torch.randn(o, n, generator=g) / n ** 0.5 for _ in range(count)]
         made = {"F.linear": lambda w: Projection(w), "onednn": lambda w: Projection(w, onednn=True),
-                "onednn_packed": lambda w: Projection(w, pack_rows=rows)}
-        weights = {impl: [made[impl](w) for w in ws] for impl in impls}
+                "onednn_packed": lambda w: Projection(w, pack_rows=rows), OWN_IMPL: lambda w: Projection(w, native=True)}
+        weights = {impl: [made[impl](w) for w in ws] for impl in timed_impls}
         if huge_pages:  # on 2 MB pages, as the runner keeps its weights (inference_worker.huge_pages)
             collapse_resident_memory()
         x = torch.randn(rows, n, generator=g)
-        for impl in impls:  # warm-up: first-call costs (oneDNN primitive creation) are not the rate
+        for impl in timed_impls:  # warm-up: first-call costs (oneDNN primitive creation) are not the rate
             for proj in weights[impl][:2]:
                 proj(x)
         for _ in range(repeats):
-            for impl in impls:
+            for impl in timed_impls:
                 t = time.perf_counter()
                 for proj in weights[impl]:
                     proj(x)
@@ -113,7 +119,7 @@ def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None
         del ws, weights
     flops = {name: 2 * rows * n * o * count for name, n, o, count in shapes}
     total = sum(flops.values())
-    by_impl = {impl: total / sum(best_t[name, impl] for name, *_ in shapes) for impl in impls}
+    by_impl = {impl: total / sum(best_t[name, impl] for name, *_ in shapes) for impl in timed_impls}
     best_impl = {name: min(impls, key=lambda i: best_t[name, i]) for name, *_ in shapes}
     best = total / sum(best_t[name, best_impl[name]] for name, *_ in shapes)
     return GemmRates(rows=rows, by_impl=by_impl, best=best, best_impl=best_impl, load_average=os.getloadavg()[0])

@@ -444,6 +444,7 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
     import torch
 
     from bench.limits import (
+        OWN_IMPL,
         BaseCeiling,
         FleetCeiling,
         adapter_bytes,
@@ -569,6 +570,15 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
         print(f"  {sysname} fleet / lorafleet base-only, round by round: {', '.join(f'{r:.2f}' for r in pairs)} "
               f"(median {statistics.median(pairs):.2f})", flush=True)
     result["limit"] = limit.as_dict()
+    own = [r.by_impl.get(OWN_IMPL) for r in (limit.prefill, limit.decode)]
+    if all(own) and ("lorafleet", "base") in tok_s:  # the same FLOPs at lorafleet's own GEMM rates: not the limit
+        own_s = limit.prefill_flops / own[0] + limit.decode_flops / own[1]
+        own_tok_s = generated / own_s
+        result["own_gemm"] = {"gflops_512": own[0] / 1e9, "gflops_decode": own[1] / 1e9, "tok_s": own_tok_s,
+                              "lorafleet_base_of_it": tok_s["lorafleet", "base"] / own_tok_s}
+        print(f"  at lorafleet's own GEMM rates (kernels.gemm: {own[0] / 1e9:.1f} / {own[1] / 1e9:.1f} GFLOP/s at "
+              f"{limit.prefill.rows} / {limit.decode.rows} rows; not the limit, which is torch's): {own_tok_s:.1f} tok/s, "
+              f"lorafleet base-only {tok_s['lorafleet', 'base'] / own_tok_s:.2f} of it", flush=True)
     from bench.engine import ALL_TARGETS
 
     ceiling = FleetCeiling(step_bytes=sum(adapter_bytes(cfg, w.ranks[a], ALL_TARGETS) for a in set(w.adapter_of)),

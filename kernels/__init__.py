@@ -9,8 +9,17 @@ the paged KV cache), `rms_norm`, `rope_kv_write`, `swiglu` and `argmax_rows` (CP
 (CPU, fp32, AVX-512: the projections' GEMM on weights packed once; `gemm_available`). Imports nothing of
 the project. (Hugging Face publishes an unrelated PyPI package also named `kernels`; never install it here.)
 """
-from .cpu_native import (StepKernels, argmax_rows, gemm, gemm_available, gemm_pack, paged_decode_attention, rms_norm,
-                         rope_kv_write, swiglu)
+from .cpu_native import (
+    StepKernels,
+    argmax_rows,
+    gemm,
+    gemm_available,
+    gemm_pack,
+    paged_decode_attention,
+    rms_norm,
+    rope_kv_write,
+    swiglu,
+)
 from .dispatch import add_lora, lora_expand, lora_shrink, repeatable_lora_call
 from .mapping import LoraMapping
 from .table import HALF_WEIGHTS, LoraTable

@@ -300,7 +300,7 @@ def gemm(x, packed, n: int, bias=None, out=None, *, threads: int):
     must be (its rows contiguous). Sums in fp32, each output element over k in order, then + bias, then + out."""
     import torch
 
-    if x.dim() != 2 or x.dtype != torch.float32 or packed.numel() != _lib.gemm_packed_elems(n, x.shape[1]):
+    if x.dim() != 2 or x.dtype != torch.float32 or packed.numel() != (n + 15) // 16 * 16 * x.shape[1]:  # gemm_packed_elems
         raise ValueError(f"gemm: x {tuple(x.shape)} {x.dtype} does not fit a packed weight of {n} outputs")
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -47,7 +47,10 @@ static inline __attribute__((always_inline)) void gemm_block(
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) c[r][v] = _mm512_setzero_ps();
     const int64_t nwp = 16 * nv;
-    int64_t pf_i = 0;
+    /* a prefetch every `every` k steps, `burst` lines at a time (more than one only when pf_lines > K) */
+    const int64_t every = pf_lines <= 0 ? K + 1 : pf_lines <= K ? K / pf_lines : 1;
+    const int64_t burst = pf_lines > K ? (pf_lines + K - 1) / K : 1;
+    int64_t pf_i = 0, pf_next = 0;
     for (int64_t k = 0; k < K; k++) {
         __m512 bv[GEMM_NV];
         for (int v = 0; v < nv; v++) bv[v] = _mm512_loadu_ps(b + k * nwp + 16 * v);
@@ -55,7 +58,10 @@ static inline __attribute__((always_inline)) void gemm_block(
             __m512 a = _mm512_set1_ps(x[r * ldx + k]);
             for (int v = 0; v < nv; v++) c[r][v] = _mm512_fmadd_ps(a, bv[v], c[r][v]);
         }
-        for (; pf_i < pf_lines && pf_i * K < (k + 1) * pf_lines; pf_i++) _mm_prefetch(pf + 64 * pf_i, _MM_HINT_T1);
+        if (k == pf_next) {
+            for (int64_t j = 0; j < burst && pf_i < pf_lines; j++, pf_i++) _mm_prefetch(pf + 64 * pf_i, _MM_HINT_T1);
+            pf_next += every;
+        }
     }
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) {
