@@ -15,6 +15,9 @@ The rate at each row count is measured, per weight shape, with three fp32 GEMMs 
 - `onednn_packed`: oneDNN with the weight packed once into its blocked layout for that row count
   (`torch.ops.mkldnn._reorder_linear_weight(w, rows)`, then `_linear_pointwise` on it) — what inductor's CPU
   freezing pass emits and vLLM-CPU's `onednn_mm` does.
+lorafleet's own GEMM (`kernels.gemm`, `OWN_IMPL`) is timed beside them and printed, but it is not in the limit: the
+limit stays the fastest GEMM torch offers, as issue 15 defines it, and bench/peers.py prints lorafleet's base-only
+pass against the same FLOPs at its own GEMM's rates as well.
 Each shape is timed over one distinct weight per layer (as a forward pass reads them: weights stream from
 memory, not from cache), best of `repeats` passes, the GEMMs alternating so load on shared CPUs tilts none.
 Other work on the CPUs only ever slows a GEMM down, so the best pass is the machine's rate.

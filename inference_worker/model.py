@@ -250,17 +250,18 @@ class Projection:
     which must stay a plain tensor for the token lookup, so packing it means a second copy). The output is an
     ordinary dense tensor, so LoRA's column views of fused outputs work as before. `native`: the weight packed
     once into panels of 48 output columns for kernels.gemm (csrc/gemm_f32.h, AVX-512), which prefetches each panel
-    while the one before it is multiplied: SmolLM2's projections at 64 rows ran 292-313 GFLOP/s on it against
-    oneDNN's 197-218 on the Intel Xeon host (bench/limits.py; the runner takes it wherever it runs). Neither:
+    while the one before it is multiplied: SmolLM2's projections and head at 64 rows ran 267-270 GFLOP/s on it
+    against packed oneDNN's 193-198 on the Intel Xeon host (bench/limits.py; the same at 512 rows, ~290), and the
+    base-only pass 1.17x (bench/peers.py --gemm-ab). The runner takes it wherever it runs (native_gemm). Neither:
     F.linear / addmm_ (other devices and dtypes, or packed_weights=False).
     """
 
-    __slots__ = ("weight", "bias", "onednn", "native", "out_features")
+    __slots__ = ("weight", "bias", "onednn", "native", "out_features", "in_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack_rows: int | None = None,
                  onednn: bool = False, native: bool = False):
         self.bias = bias
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.native = native
         self.onednn = not native and (onednn or pack_rows is not None)
         if native:
@@ -518,6 +519,10 @@ class ModelRunner:
             prefix = f"model.layers.{i}."
             self.blocks.append(Block(self, i, {k[len(prefix):]: t for k, t in w.items() if k.startswith(prefix)}))
         del w
+        if native_gemm:  # its panels round each projection's outputs up to 16: those zeros are weights' bytes too
+            projections = [self.head] + [p for b in self.blocks for p in (b.qkv, b.o, b.gate_up, b.down)]
+            self.weights_bytes += sum((p.weight.numel() - p.out_features * p.in_features) * p.weight.element_size()
+                                      for p in projections if p.native)
 
         inv_freq = rope_inv_freq(cfg)
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)

@@ -182,9 +182,12 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
         # 0: a tied LM head runs on the embedding table as stored, no packed copy (bench/RESULTS.md: the copy, +113 MB
         # for SmolLM2, was 1.04-1.07x the throughput on CPU); otherwise the runner's default
         pack_tied = os.environ.get("LORAFLEET_WORKER_PACK_TIED_HEAD", "1").lower() not in ("0", "false", "no")
+        # 0: the packed projections run on oneDNN instead of the native GEMM (kernels.gemm, where it runs: AVX-512)
+        native_gemm = os.environ.get("LORAFLEET_WORKER_NATIVE_GEMM", "1").lower() not in ("0", "false", "no")
         runner = ModelRunner(checkpoint_path, device=device, max_lora_rank=max_lora_rank, memory_bytes=budget,
                              max_running=max_running, max_batch_tokens=prefill_chunk + max_running,
-                             adapter_dtype=adapter_dtype_of(adapter_dtype), pack_tied_head=None if pack_tied else False)
+                             adapter_dtype=adapter_dtype_of(adapter_dtype), pack_tied_head=None if pack_tied else False,
+                             native_gemm=None if native_gemm else False)
         # the engine verifies each blob's sha256
         fair = os.environ.get("LORAFLEET_WORKER_FAIR", "1").lower() not in ("0", "false", "no")  # 0: FIFO
         host_cache = {} if host_cache_mb is None else {"host_cache_bytes": int(host_cache_mb * 1e6)}

@@ -285,12 +285,13 @@ def gemm_pack(weight):
     GEMM does not run here."""
     import torch
 
-    if (not gemm_available() or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
-            or weight.stride(1) != 1):
+    lib = load()
+    if (lib is None or not lib.gemm_f32_available() or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or weight.dim() != 2 or weight.stride(1) != 1):
         return None
     n, k = weight.shape
-    packed = torch.empty(_lib.gemm_packed_elems(n, k), dtype=torch.float32)
-    _lib.gemm_pack_f32(n, k, weight.data_ptr(), weight.stride(0), packed.data_ptr())
+    packed = torch.empty(lib.gemm_packed_elems(n, k), dtype=torch.float32)
+    lib.gemm_pack_f32(n, k, weight.data_ptr(), weight.stride(0), packed.data_ptr())
     return packed
 
 
@@ -300,6 +301,9 @@ def gemm(x, packed, n: int, bias=None, out=None, *, threads: int):
     must be (its rows contiguous). Sums in fp32, each output element over k in order, then + bias, then + out."""
     import torch
 
+    lib = _lib
+    if lib is None:  # a packed weight exists only where gemm_pack loaded the library
+        raise RuntimeError("gemm: the native kernel library is not loaded (gemm_pack packs the weights first)")
     if x.dim() != 2 or x.dtype != torch.float32 or packed.numel() != (n + 15) // 16 * 16 * x.shape[1]:  # gemm_packed_elems
         raise ValueError(f"gemm: x {tuple(x.shape)} {x.dtype} does not fit a packed weight of {n} outputs")
     if x.stride(1) != 1:
@@ -310,7 +314,7 @@ def gemm(x, packed, n: int, bias=None, out=None, *, threads: int):
         out = torch.empty(m, n, dtype=torch.float32)
     elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != torch.float32:
         raise ValueError(f"gemm: out {tuple(out.shape)} is not [{m}, {n}] fp32 with contiguous rows")
-    _lib.gemm_f32(m, x.shape[1], n, x.data_ptr(), x.stride(0), packed.data_ptr(),
+    lib.gemm_f32(m, x.shape[1], n, x.data_ptr(), x.stride(0), packed.data_ptr(),
                   bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), int(acc), threads)
     return out
 

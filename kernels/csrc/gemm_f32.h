@@ -1,13 +1,15 @@
 /* fp32 GEMM on weights packed once: out[M, N] = x[M, K] @ W^T (+ bias) (+ out, the residual), for the runner's
  * projections and LM head (inference_worker.model.Projection). Included by sgmv_cpu.c (min64, parallel_for_team).
  *
- * Why our own: at the decode batch (64 rows) oneDNN's packed brgemm ran SmolLM2's projections at 197-218 GFLOP/s
- * on the Intel Xeon host (2026-12-03), this kernel at 292-313, two cores' FMA peak being ~360 there. The
- * difference is the weights' stream: a decode step reads every weight once from DRAM (SmolLM2's 540 MB never
- * fit a cache), and each panel is used for only 64 rows, so a panel's first row block waits on memory unless the
- * panel was fetched ahead. Here each panel's row blocks prefetch the NEXT panel into L2 a line at a time, spread
- * over the k steps (without that prefetch this kernel ran at oneDNN's rate: 226 GFLOP/s).
- *
+ * Why our own: at the decode batch (64 rows) oneDNN's packed brgemm ran SmolLM2's projections and LM head at
+ * 193-198 GFLOP/s on the Intel Xeon host (bench/limits.py, 2026-12-03 12:01, the model's shapes over 30 distinct
+ * weights each), the fastest of torch's three GEMMs per shape at 208-211, and this kernel at 267-270 (mid: 222-240
+ * against 254-270). At 512 rows all of them sit near the two cores' FMA peak (SmolLM2 290-299 oneDNN, 283-295
+ * here). The difference at 64 rows is the weights' stream: a decode step reads every weight once from DRAM
+ * (SmolLM2's 540 MB never fit a cache), and each panel serves only 64 rows, so a panel's first row block waits on
+ * memory unless the panel was fetched ahead. Here each panel's row blocks prefetch the NEXT panel into L2, a line
+ * at a time spread over the k steps; without that prefetch the same kernel ran at oneDNN's rate (226 against 312
+ * GFLOP/s, paired, same process).
  * Layout (gemm_pack_f32): panels of GEMM_NR = 48 output columns; panel p (columns p*48 ...) is the [K, 48] block
  * W[p*48 : p*48 + 48, :]^T, row-major, at wp + p*48*K. The last panel is as wide as what remains rounded up to 16,
  * zero-padded, so the buffer holds K * ceil16(N) floats.
@@ -18,7 +20,7 @@
 #define GEMM_NV 3                 /* 16-float vectors per panel */
 #define GEMM_NR (16 * GEMM_NV)    /* output columns per panel */
 #define GEMM_MR 8                 /* rows per register block */
-#define GEMM_M_CHUNK 512          /* rows per pass over the weights: x's rows for one panel stay in L2 / L3 */
+#define GEMM_M_CHUNK 1024         /* rows per pass over the weights (a prefill chunk of 512 and the decode batch in one) */
 
 int64_t gemm_packed_elems(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * K; }
 
@@ -94,49 +96,86 @@ static void gemm_block_any(int64_t K, const float *x, int64_t ldx, const float *
     else { GEMM_ROWS(1) }
 }
 
+#define GEMM_MAX_UNITS 64
+
 typedef struct {
-    int64_t M, K, N, ldx, ldo, panels, per_unit;
+    int64_t M, K, N, ldx, ldo, panels, units;
     const float *x, *wp, *bias;
     float *out;
     int acc;
+    _Atomic uint64_t *spans;  /* per unit: its panels not yet claimed, [lo, hi) as hi << 32 | lo */
 } gemm_args;
 
-/* One unit: panels [u * per_unit, ...) over all M rows, each panel's row blocks prefetching the unit's next panel. */
+/* Panel p over all M rows; its row blocks prefetch panel `next` (-1: none) into L2. */
+static void gemm_panel(const gemm_args *a, int64_t p, int64_t next) {
+    const int64_t K = a->K, N = a->N, M = a->M, ldx = a->ldx, ldo = a->ldo;
+    const int64_t blocks = (M + GEMM_MR - 1) / GEMM_MR;
+    const int64_t p0 = p * GEMM_NR, nw = min64(GEMM_NR, N - p0);
+    const int nv = (int)((nw + 15) / 16);
+    const __mmask16 last = nw % 16 ? (__mmask16)((1u << (nw % 16)) - 1) : (__mmask16)0xFFFF;
+    const float *b = a->wp + p0 * K;
+    const float *bias = a->bias ? a->bias + p0 : NULL;
+    const char *pf = next >= 0 ? (const char *)(a->wp + next * GEMM_NR * K) : NULL;
+    const int64_t next_lines = next >= 0 ? (min64(GEMM_NR, N - next * GEMM_NR) + 15) / 16 * 16 * K * 4 / 64 : 0;
+    const int64_t per_block = (next_lines + blocks - 1) / blocks;
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        const int64_t m0 = bi * GEMM_MR;
+        const int mr = (int)min64(GEMM_MR, M - m0);
+        const int64_t lo = min64(bi * per_block, next_lines);
+        gemm_block_any(K, a->x + m0 * ldx, ldx, b, a->out + m0 * ldo + p0, ldo, bias, a->acc, last,
+                       pf ? pf + 64 * lo : NULL, min64(per_block, next_lines - lo), mr, nv);
+    }
+}
+
+/* Claim a unit's first (front) or last unclaimed panel: 1 and *p, or 0 when none is left. */
+static int gemm_claim(_Atomic uint64_t *span, int front, int64_t *p) {
+    uint64_t s = atomic_load(span);
+    for (;;) {
+        const uint32_t lo = (uint32_t)s, hi = (uint32_t)(s >> 32);
+        if (lo >= hi) return 0;
+        const uint64_t want = front ? ((uint64_t)hi << 32) | (lo + 1) : ((uint64_t)(hi - 1) << 32) | lo;
+        if (atomic_compare_exchange_weak(span, &s, want)) {
+            *p = front ? lo : hi - 1;
+            return 1;
+        }
+    }
+}
+
+/* Unit u: its own run of panels front to back, each prefetching the next while that is still unclaimed; then
+ * panels from the back of the other units' runs (each prefetching the one before it), so a thread that started
+ * late or ran slower (a shared host) is helped instead of waited for. With fixed halves the two threads of a call
+ * had finished a mean 34 us apart, 3.6% of a call (a SmolLM2 base-only pass in the engine, 2026-12-03); stealing
+ * gained 0.5% in a paired A/B of a forward's GEMMs (0.995 at 64 and at 576 rows), within what one host can show. */
 static void gemm_unit(const void *vp, int64_t u) {
     const gemm_args *a = (const gemm_args *)vp;
-    const int64_t K = a->K, N = a->N, M = a->M, ldx = a->ldx, ldo = a->ldo;
-    const int acc = a->acc;
-    const int64_t p_hi = min64(a->panels, (u + 1) * a->per_unit);
-    const int64_t blocks = (M + GEMM_MR - 1) / GEMM_MR;
-    for (int64_t p = u * a->per_unit; p < p_hi; p++) {
-        const int64_t p0 = p * GEMM_NR, nw = min64(GEMM_NR, N - p0);
-        const int nv = (int)((nw + 15) / 16);
-        const __mmask16 last = nw % 16 ? (__mmask16)((1u << (nw % 16)) - 1) : (__mmask16)0xFFFF;
-        const float *b = a->wp + p0 * K;
-        const float *bias = a->bias ? a->bias + p0 : NULL;
-        const char *next = (const char *)(a->wp + (p0 + GEMM_NR) * K);
-        const int64_t next_lines = p + 1 < p_hi ? ((min64(GEMM_NR, N - p0 - GEMM_NR) + 15) / 16 * 16) * K * 4 / 64 : 0;
-        const int64_t per_block = (next_lines + blocks - 1) / blocks;
-        for (int64_t bi = 0; bi < blocks; bi++) {
-            const int64_t m0 = bi * GEMM_MR;
-            const int mr = (int)min64(GEMM_MR, M - m0);
-            const int64_t lo = min64(bi * per_block, next_lines);
-            gemm_block_any(K, a->x + m0 * ldx, ldx, b, a->out + m0 * ldo + p0, ldo, bias, acc, last,
-                           next + 64 * lo, min64(per_block, next_lines - lo), mr, nv);
+    int64_t p;
+    while (gemm_claim(&a->spans[u], 1, &p)) {
+        const uint64_t s = atomic_load(&a->spans[u]);
+        gemm_panel(a, p, (uint32_t)s < (uint32_t)(s >> 32) ? p + 1 : -1);
+    }
+    for (int64_t d = 1; d < a->units; d++) {
+        _Atomic uint64_t *span = &a->spans[(u + d) % a->units];
+        while (gemm_claim(span, 0, &p)) {
+            const uint64_t s = atomic_load(span);
+            gemm_panel(a, p, (uint32_t)s < (uint32_t)(s >> 32) ? p - 1 : -1);
         }
     }
 }
 
 /* out[M, N] = x[M, K] @ W^T (+ bias[N]) (+ out when acc) with W packed by gemm_pack_f32; x's and out's rows
- * contiguous, ldx / ldo apart. The panels are split into `nthreads` contiguous runs, one per team thread. */
+ * contiguous, ldx / ldo apart. The panels are split into `nthreads` contiguous runs, one per team thread,
+ * which steal from each other's ends once their own is done (gemm_unit). */
 void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, const float *wp, const float *bias,
               float *out, int64_t ldo, int acc, int nthreads) {
     const int64_t panels = (N + GEMM_NR - 1) / GEMM_NR;
-    const int64_t units = min64(panels, nthreads > 1 ? nthreads : 1);
+    const int64_t units = min64(min64(panels, nthreads > 1 ? nthreads : 1), GEMM_MAX_UNITS);
+    _Atomic uint64_t spans[GEMM_MAX_UNITS];
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_CHUNK) {
-        gemm_args a = {min64(GEMM_M_CHUNK, M - m0), K, N, ldx, ldo, panels, (panels + units - 1) / units,
-                       x + m0 * ldx, wp, bias, out + m0 * ldo, acc};
-        parallel_for_team(gemm_unit, &a, (panels + a.per_unit - 1) / a.per_unit, nthreads);
+        for (int64_t u = 0; u < units; u++)
+            atomic_init(&spans[u], ((uint64_t)((u + 1) * panels / units) << 32) | (uint64_t)(u * panels / units));
+        gemm_args a = {min64(GEMM_M_CHUNK, M - m0), K, N, ldx, ldo, panels, units, x + m0 * ldx, wp, bias,
+                       out + m0 * ldo, acc, spans};
+        parallel_for_team(gemm_unit, &a, units, nthreads);
     }
 }
 #else
