@@ -22,7 +22,11 @@ from pathlib import Path
 _SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.c"
 _HEADERS = (Path(__file__).parent / "csrc" / "sgmv_units.h",
             Path(__file__).parent / "csrc" / "gemm_f32.h")  # included by _SOURCE: part of the cache key
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-fPIC"]  # compiling
+# Linking, apart and without -ffast-math: given it, GCC 12 links crtfastmath.o into the shared object too, whose
+# constructor sets flush-to-zero and denormals-are-zero in MXCSR when the library is loaded, for the loading thread
+# and every thread it starts later (torch's ops, hypothesis' float strategies, the caller's own arithmetic).
+_LINK_FLAGS = ["-shared", "-pthread", "-fPIC"]
 # Decode attention and SGMV run on the caller's OpenMP team (csrc/sgmv_cpu.c says why). The library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (torch is imported first, in load()), so
 # both share one runtime and one team per thread; a compiler without OpenMP builds without it (helpers only).
@@ -106,9 +110,12 @@ def _build(target: Path) -> None:
         tmp_path = Path(tmp.name)
     try:
         # the compiler found on PATH, our flags and our source file: no outside input reaches the command
+        obj = tmp_path.with_suffix(".o")
         for extra in (_OPENMP_FLAGS, []):
             try:
-                subprocess.run([compiler, *_FLAGS, *extra, "-o", str(tmp_path), str(_SOURCE), "-lm"],  # noqa: S603
+                subprocess.run([compiler, *_FLAGS, *extra, "-c", "-o", str(obj), str(_SOURCE)],  # noqa: S603
+                               check=True, capture_output=True, timeout=120)
+                subprocess.run([compiler, *_LINK_FLAGS, *extra, "-o", str(tmp_path), str(obj), "-lm"],  # noqa: S603
                                check=True, capture_output=True, timeout=120)
                 break
             except subprocess.CalledProcessError:
@@ -117,6 +124,7 @@ def _build(target: Path) -> None:
         os.replace(tmp_path, target)
     finally:
         tmp_path.unlink(missing_ok=True)
+        tmp_path.with_suffix(".o").unlink(missing_ok=True)
 
 
 def load() -> ctypes.CDLL | None:
@@ -133,7 +141,7 @@ def load() -> ctypes.CDLL | None:
         import torch  # first: the library's libgomp.so.1 is then torch's, already loaded
 
         source = _SOURCE.read_bytes() + b"".join(h.read_bytes() for h in _HEADERS)
-        key = hashlib.sha256(source + " ".join(_FLAGS + _OPENMP_FLAGS).encode()
+        key = hashlib.sha256(source + " ".join(_FLAGS + _LINK_FLAGS + _OPENMP_FLAGS).encode()
                              + _cpu_fingerprint().encode())
         target = _cache_dir() / f"sgmv_cpu_{key.hexdigest()[:16]}.so"
         try:

@@ -302,3 +302,19 @@ def test_a_forked_worker_process_still_computes_with_threads(monkeypatch):
         time.sleep(0.05)
     os.kill(pid, 9)
     pytest.fail("the forked child hung in the native kernel")
+
+
+def test_loading_the_native_library_leaves_the_float_environment_alone(tmp_path):
+    """The library is compiled with -ffast-math; linked with it too, GCC's crtfastmath.o would set flush-to-zero and
+    denormals-are-zero for the loading thread (subnormal results become 0 in torch's ops and the caller's own, and
+    hypothesis refuses to draw floats). A fresh process, a fresh build: subnormals survive the load."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom kernels import cpu_native\nassert cpu_native.load() is not None\n"
+            "print(repr((torch.tensor([1e-40]) * 1.0).item()), repr(float.fromhex('0x1p-1040') * 1.0))")
+    env = {**os.environ, "LORAFLEET_KERNELS_CACHE": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300,
+                         check=True).stdout.split()
+    assert float(out[0]) > 0.0 and float(out[1]) > 0.0, out
