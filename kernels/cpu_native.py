@@ -170,8 +170,6 @@ def load() -> ctypes.CDLL | None:
         lib.gemm_f32.restype = None
         lib.gemm_pack_f32.argtypes = (_i64, _i64, _p, _i64, _p)
         lib.gemm_pack_f32.restype = None
-        lib.gemm_packed_elems.argtypes = (_i64, _i64)
-        lib.gemm_packed_elems.restype = _i64
         lib.gemm_f32_available.restype = ctypes.c_int
         _lib = lib
     return _lib
@@ -288,6 +286,11 @@ def gemm_available() -> bool:
     return lib is not None and bool(lib.gemm_f32_available())
 
 
+def _gemm_packed_elems(n: int, k: int) -> int:
+    """Floats of a packed [n, k] weight: its panels' width rounded up to whole 16-float vectors (csrc/gemm_f32.h)."""
+    return (n + 15) // 16 * 16 * k
+
+
 def gemm_pack(weight):
     """A weight [N, K] (fp32, CPU, rows contiguous) packed for `gemm` -> a flat fp32 tensor; None when the native
     GEMM does not run here."""
@@ -298,7 +301,7 @@ def gemm_pack(weight):
             or weight.dim() != 2 or weight.stride(1) != 1):
         return None
     n, k = weight.shape
-    packed = torch.empty(lib.gemm_packed_elems(n, k), dtype=torch.float32)
+    packed = torch.empty(_gemm_packed_elems(n, k), dtype=torch.float32)
     lib.gemm_pack_f32(n, k, weight.data_ptr(), weight.stride(0), packed.data_ptr())
     return packed
 
@@ -312,7 +315,7 @@ def gemm(x, packed, n: int, bias=None, out=None, *, threads: int):
     lib = _lib
     if lib is None:  # a packed weight exists only where gemm_pack loaded the library
         raise RuntimeError("gemm: the native kernel library is not loaded (gemm_pack packs the weights first)")
-    if x.dim() != 2 or x.dtype != torch.float32 or packed.numel() != (n + 15) // 16 * 16 * x.shape[1]:  # gemm_packed_elems
+    if x.dim() != 2 or x.dtype != torch.float32 or packed.numel() != _gemm_packed_elems(n, x.shape[1]):
         raise ValueError(f"gemm: x {tuple(x.shape)} {x.dtype} does not fit a packed weight of {n} outputs")
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -22,9 +22,8 @@
 #define GEMM_MR 8                 /* rows per register block */
 #define GEMM_M_CHUNK 1024         /* rows per pass over the weights (a prefill chunk of 512 and the decode batch in one) */
 
-int64_t gemm_packed_elems(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * K; }
-
-/* W [N, K] (rows ldw apart) into the panel layout above at wp (gemm_packed_elems(N, K) floats). */
+/* W [N, K] (rows ldw apart) into the panel layout above at wp (K * ceil16(N) floats; the caller allocates them:
+ * kernels.cpu_native._gemm_packed_elems). */
 void gemm_pack_f32(int64_t N, int64_t K, const float *w, int64_t ldw, float *wp) {
     for (int64_t p0 = 0; p0 < N; p0 += GEMM_NR) {
         int64_t nw = min64(GEMM_NR, N - p0), nwp = (nw + 15) / 16 * 16;
@@ -99,7 +98,7 @@ static void gemm_block_any(int64_t K, const float *x, int64_t ldx, const float *
 #define GEMM_MAX_UNITS 64
 
 typedef struct {
-    int64_t M, K, N, ldx, ldo, panels, units;
+    int64_t M, K, N, ldx, ldo, units;
     const float *x, *wp, *bias;
     float *out;
     int acc;
@@ -173,7 +172,7 @@ void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, cons
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_CHUNK) {
         for (int64_t u = 0; u < units; u++)
             atomic_init(&spans[u], ((uint64_t)((u + 1) * panels / units) << 32) | (uint64_t)(u * panels / units));
-        gemm_args a = {min64(GEMM_M_CHUNK, M - m0), K, N, ldx, ldo, panels, units, x + m0 * ldx, wp, bias,
+        gemm_args a = {min64(GEMM_M_CHUNK, M - m0), K, N, ldx, ldo, units, x + m0 * ldx, wp, bias,
                        out + m0 * ldo, acc, spans};
         parallel_for_team(gemm_unit, &a, units, nthreads);
     }
