@@ -249,10 +249,11 @@ class Projection:
     `pack_rows`: oneDNN on the weight as stored (a tied LM head with pack_tied_head=False: the embedding table,
     which must stay a plain tensor for the token lookup, so packing it means a second copy). The output is an
     ordinary dense tensor, so LoRA's column views of fused outputs work as before. `native`: the weight packed
-    once into panels of 48 output columns for kernels.gemm (csrc/gemm_f32.h, AVX-512), which prefetches each panel
-    while the one before it is multiplied: SmolLM2's projections and head at 64 rows ran 267-270 GFLOP/s on it
-    against packed oneDNN's 193-198 on the Intel Xeon host (bench/limits.py; the same at 512 rows, ~290), and the
-    base-only pass 1.17x (bench/peers.py --gemm-ab). The runner takes it wherever it runs (native_gemm). Neither:
+    once into panels of 48 output columns for kernels.gemm (csrc/gemm_f32.h; AVX-512, or AVX2 and FMA), which
+    prefetches each panel while the one before it is multiplied: SmolLM2's projections and head at 64 rows ran
+    267-270 GFLOP/s on it against packed oneDNN's 193-198 on the Intel Xeon host (bench/limits.py; the same at 512
+    rows, ~290), and the base-only pass 1.17x (bench/peers.py --gemm-ab); on the AVX2 Zen 3 host 94.7 against
+    torch's best 76.9 at 64 rows. The runner takes it wherever it runs (native_gemm). Neither:
     F.linear / addmm_ (other devices and dtypes, or packed_weights=False).
     """
 
@@ -477,12 +478,13 @@ class ModelRunner:
             raise ValueError("packed_weights=True needs a CPU runner in fp32 and a torch built with oneDNN")
         self.pack_rows: int | None = max_running if packed_weights else None  # the layout hint: the decode batch
         # Packed weights go to the native fp32 GEMM (kernels.gemm, csrc/gemm_f32.h) instead of oneDNN wherever it runs
-        # (AVX-512 and a C compiler): at the decode batch it streams the weights ~1.4x as fast (see Projection).
+        # (AVX-512 or AVX2 + FMA, and a C compiler): at the decode batch it streams the weights ~1.4x as fast (see Projection).
         # native_gemm=False keeps oneDNN (A/B: bench/peers.py --gemm-ab).
         if native_gemm is None:
             native_gemm = bool(packed_weights) and gemm_available()
         elif native_gemm and not (packed_weights and gemm_available()):
-            raise ValueError("native_gemm=True needs packed weights and the native GEMM (AVX-512 and a C compiler)")
+            raise ValueError("native_gemm=True needs packed weights and the native GEMM "
+                             "(AVX-512 or AVX2 + FMA, and a C compiler)")
         self.native_gemm = native_gemm
         # Decode attention on CPU in fp32 reads K/V in place from the pages (kernels/csrc/sgmv_cpu.c) instead of
         # gathering them for SDPA; False (or LORAFLEET_KERNELS_NATIVE=0, or no C compiler) keeps the gather.

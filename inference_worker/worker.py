@@ -182,7 +182,7 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
         # 0: a tied LM head runs on the embedding table as stored, no packed copy (bench/RESULTS.md: the copy, +113 MB
         # for SmolLM2, was 1.04-1.07x the throughput on CPU); otherwise the runner's default
         pack_tied = os.environ.get("LORAFLEET_WORKER_PACK_TIED_HEAD", "1").lower() not in ("0", "false", "no")
-        # 0: the packed projections run on oneDNN instead of the native GEMM (kernels.gemm, where it runs: AVX-512)
+        # 0: the packed projections run on oneDNN instead of the native GEMM (kernels.gemm, where it runs: AVX-512, or AVX2 + FMA)
         native_gemm = os.environ.get("LORAFLEET_WORKER_NATIVE_GEMM", "1").lower() not in ("0", "false", "no")
         runner = ModelRunner(checkpoint_path, device=device, max_lora_rank=max_lora_rank, memory_bytes=budget,
                              max_running=max_running, max_batch_tokens=prefill_chunk + max_running,

@@ -6,7 +6,7 @@ A and B of one projection lie in a flat weight buffer, once per adapter load/evi
 `lora_shrink`, `lora_expand`; and `paged_decode_attention` (CPU, fp32: decode attention read straight from
 the paged KV cache), `rms_norm`, `rope_kv_write`, `swiglu` and `argmax_rows` (CPU, fp32, one pass each), and `StepKernels`
 (those four with a step's shapes checked and its buffers allocated once for all layers), and `gemm_pack` / `gemm`
-(CPU, fp32, AVX-512: the projections' GEMM on weights packed once; `gemm_available`). Imports nothing of
+(CPU, fp32, AVX-512 or AVX2: the projections' GEMM on weights packed once; `gemm_available`). Imports nothing of
 the project. (Hugging Face publishes an unrelated PyPI package also named `kernels`; never install it here.)
 """
 from .cpu_native import (

@@ -281,7 +281,8 @@ def argmax_rows(x, *, threads: int):
 
 
 def gemm_available() -> bool:
-    """Whether the native fp32 GEMM on packed weights (csrc/gemm_f32.h) runs here: the library builds, with AVX-512."""
+    """Whether the native fp32 GEMM on packed weights (csrc/gemm_f32.h) runs here: the library builds, with AVX-512
+    or with AVX2 and FMA."""
     lib = load()
     return lib is not None and bool(lib.gemm_f32_available())
 

@@ -71,14 +71,14 @@ def load_peft_into(runner: ModelRunner, adapter_dir) -> int:
 
 
 # The tiny models are below PACK_MIN_HIDDEN, so by default they run F.linear; the other two run the same checks on
-# the GEMMs wider models take by default: the native GEMM on packed panels (kernels.gemm, AVX-512) where it runs,
+# the GEMMs wider models take by default: the native GEMM on packed panels (kernels.gemm; AVX-512 or AVX2) where it runs,
 # oneDNN's pre-packed GEMM elsewhere.
 NO_ONEDNN = not onednn_packing_available(torch.device("cpu"), torch.float32)
 PACKED = [{"packed_weights": False},
           pytest.param({"packed_weights": True, "native_gemm": False},
                        marks=pytest.mark.skipif(NO_ONEDNN, reason="torch without oneDNN linear ops")),
           pytest.param({"packed_weights": True, "native_gemm": True},
-                       marks=pytest.mark.skipif(NO_ONEDNN or not gemm_available(), reason="no AVX-512 here"))]
+                       marks=pytest.mark.skipif(NO_ONEDNN or not gemm_available(), reason="no native GEMM (AVX-512 / AVX2)"))]
 PACKED_IDS = ["F.linear", "onednn-packed", "native-gemm"]
 
 

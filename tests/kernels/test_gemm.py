@@ -1,15 +1,15 @@
 """The native fp32 GEMM on packed weights (kernels/csrc/gemm_f32.h, `gemm_pack` / `gemm`): x @ W^T (+ bias)
 (+ out, the residual) against a float64 reference, at decode batches, prefill chunks and the row counts between
-(every row-block tail), output widths that end mid-panel and mid-vector, rows of wider buffers, one and two
-threads, and more rows than one pass over the weights takes. (tests/engine/test_model_parity.py: the runner on it
-against transformers and PEFT.)"""
+(every row-block tail), output widths that end mid-panel and mid-vector (AVX2: mid-strip, in either ymm), rows of
+wider buffers, one and two threads, and more rows than one pass over the weights takes.
+(tests/engine/test_model_parity.py: the runner on it against transformers and PEFT.)"""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native, gemm, gemm_available, gemm_pack
 
-pytestmark = pytest.mark.skipif(not gemm_available(), reason="the native GEMM needs AVX-512 (and gcc)")
+pytestmark = pytest.mark.skipif(not gemm_available(), reason="the native GEMM needs AVX-512 or AVX2 + FMA (and gcc)")
 
 
 def reference(x, w, bias=None, out=None):
@@ -27,7 +27,7 @@ def close(got, want, k):
     assert err <= 2e-6 * k ** 0.5 * max(1.0, want.abs().max().item() if want.numel() else 1.0), err
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 15, 17, 64, 65, 512])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 8, 9, 12, 15, 17, 64, 65, 512])  # blocks of 8 (AVX-512), 6 (AVX2)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_row_block_tail_matches_the_reference(m, threads):
     g = torch.Generator().manual_seed(m)
@@ -38,7 +38,7 @@ def test_every_row_block_tail_matches_the_reference(m, threads):
     close(got, reference(x, w), k)
 
 
-@pytest.mark.parametrize("n", [1, 5, 16, 33, 47, 48, 49, 95, 100, 960, 3072])
+@pytest.mark.parametrize("n", [1, 5, 12, 16, 33, 40, 47, 48, 49, 95, 100, 960, 3072])
 def test_output_widths_ending_mid_panel_and_mid_vector(n):
     g = torch.Generator().manual_seed(n)
     k = 576
@@ -48,8 +48,9 @@ def test_output_widths_ending_mid_panel_and_mid_vector(n):
     close(gemm(x, packed, n, bias, threads=2), reference(x, w, bias), k)
 
 
-@pytest.mark.parametrize("k", [1, 3, 64, 1536])
+@pytest.mark.parametrize("k", [1, 3, 64, 1536, 2049, 2816])  # AVX2 takes K > 1024 in 2 or 3 chunks
 def test_the_residual_add_and_bias_go_into_out_in_place(k):
+    """Once each: the bias and the residual, also where K is summed in chunks (bias in the first, out accumulating)."""
     g = torch.Generator().manual_seed(k)
     m, n = 20, 200
     w, x, bias = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
@@ -62,7 +63,7 @@ def test_the_residual_add_and_bias_go_into_out_in_place(k):
 
 def test_rows_of_wider_buffers_and_more_rows_than_one_pass():
     """x a column slice of a wider activation (rows ldx apart), out the rows of a wider buffer, and 1100 rows:
-    the weights are streamed once per 512 rows."""
+    the weights are streamed once per 1024 rows."""
     g = torch.Generator().manual_seed(7)
     m, k, n = 1100, 80, 130
     wide_x = torch.randn(m, k + 24, generator=g)
