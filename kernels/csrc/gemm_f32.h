@@ -14,7 +14,8 @@
  * W[p*48 : p*48 + 48, :]^T, row-major, at wp + p*48*K. The last panel is as wide as what remains rounded up to 16,
  * zero-padded, so the buffer holds K * ceil16(N) floats.
  * Register block: GEMM_MR = 8 rows x 3 vectors of 16 = 24 zmm accumulators; per k, 3 weight loads and 8
- * broadcasts of x feed 24 FMAs. Each output element is one fp32 sum over k in order, then + bias, then + out.
+ * broadcasts of x feed 24 FMAs. Each output element is one fp32 sum over k in order, then + bias, then + out (AVX2:
+ * one such sum per chunk of K, each chunk's added to out in turn).
  * AVX2 with FMA (no AVX-512) takes the same panels in 16-column strips, 6 rows x 2 ymm a block (below). Without
  * either the entry points say so (gemm_f32_available() == 0) and the runner keeps oneDNN. */
 
@@ -204,11 +205,11 @@ static void gemm_panel(const gemm_args *a, int64_t p, int64_t next) {
     const char *pf = next >= 0 ? (const char *)(a->wp + next * GEMM_NR * K) : NULL;
     const int64_t next_lines = next >= 0 ? (min64(GEMM_NR, N - next * GEMM_NR) + 15) / 16 * 16 * K * 4 / 64 : 0;
     /* K in chunks of at most GEMM_KC (even sizes): a chunk's rows of x stay in L1 and its part of the panel in L2 */
-    const int64_t chunks = (K + GEMM_KC - 1) / GEMM_KC, kc = (K + chunks - 1) / chunks;
+    const int64_t chunks = K > GEMM_KC ? (K + GEMM_KC - 1) / GEMM_KC : 1, kc = K > 0 ? (K + chunks - 1) / chunks : 1;
     const int64_t calls = blocks * chunks, per_call = (next_lines + calls - 1) / calls;
     const int64_t nwp = (nw + 15) / 16 * 16;
     int64_t call = 0;
-    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kc) {  /* once at K = 0: out gets the bias (or stays out) */
         const int64_t kn = min64(kc, K - k0);
         for (int64_t bi = 0; bi < blocks; bi++, call++) {
             const int64_t m0 = bi * GEMM_MR;

@@ -88,6 +88,8 @@ def test_no_rows_and_what_it_does_not_take():
     w = torch.randn(48, 16)
     packed = gemm_pack(w)
     assert gemm(torch.empty(0, 16), packed, 48, threads=2).shape == (0, 48)
+    bias = torch.randn(40)  # K = 0: an empty sum, so each row is the bias (not whatever the new tensor held)
+    assert torch.equal(gemm(torch.empty(3, 0), gemm_pack(torch.empty(40, 0)), 40, bias, threads=2), bias.expand(3, 40))
     assert gemm_pack(w.double()) is None
     assert gemm_pack(torch.randn(16, 48).t()) is None  # rows not contiguous
     with pytest.raises(ValueError, match="does not fit"):
