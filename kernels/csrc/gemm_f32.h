@@ -113,9 +113,7 @@ static void gemm_rows(int64_t K, const float *x, int64_t ldx, const float *b, fl
  * the time at 64 rows (paired); hot in cache one thread runs 77 GFLOP/s, the core's FMA peak. */
 #define GEMM_NATIVE 1
 #define GEMM_MR 6
-#ifndef GEMM_KC
 #define GEMM_KC 1024
-#endif
 int gemm_f32_available(void) { return 1; }
 
 /* mr rows of x against one 16-column strip (rows nwp floats apart in b), `cols` of which are stored. */
@@ -172,14 +170,16 @@ static void gemm_rows(int64_t K, const float *x, int64_t ldx, const float *b, fl
         const int64_t lo = min64(v * per, pf_lines), n = min64(per, pf_lines - lo);
         const char *p = pf ? pf + 64 * lo : NULL;
         const float *bb = bias ? bias + 16 * v : NULL;
-        switch (mr) {
-            case 6: gemm_strip(K, x, ldx, b + 16 * v, nwp, out + 16 * v, ldo, bb, acc, cols, p, n, 6); break;
-            case 5: gemm_strip(K, x, ldx, b + 16 * v, nwp, out + 16 * v, ldo, bb, acc, cols, p, n, 5); break;
-            case 4: gemm_strip(K, x, ldx, b + 16 * v, nwp, out + 16 * v, ldo, bb, acc, cols, p, n, 4); break;
-            case 3: gemm_strip(K, x, ldx, b + 16 * v, nwp, out + 16 * v, ldo, bb, acc, cols, p, n, 3); break;
-            case 2: gemm_strip(K, x, ldx, b + 16 * v, nwp, out + 16 * v, ldo, bb, acc, cols, p, n, 2); break;
-            default: gemm_strip(K, x, ldx, b + 16 * v, nwp, out + 16 * v, ldo, bb, acc, cols, p, n, 1); break;
+#define GEMM_STRIP(MR) gemm_strip(K, x, ldx, b + 16 * v, nwp, out + 16 * v, ldo, bb, acc, cols, p, n, MR)
+        switch (mr) {  /* each row count its own unrolled copy */
+            case 6: GEMM_STRIP(6); break;
+            case 5: GEMM_STRIP(5); break;
+            case 4: GEMM_STRIP(4); break;
+            case 3: GEMM_STRIP(3); break;
+            case 2: GEMM_STRIP(2); break;
+            default: GEMM_STRIP(1); break;
         }
+#undef GEMM_STRIP
     }
 }
 #endif
