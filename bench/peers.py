@@ -278,7 +278,7 @@ class Lorafleet:
 
     def __init__(self, w: Workload, packed_weights: bool | None = None, adapter_dtype=None,
                  pack_tied_head: bool | None = None, step_kernels: bool | None = None,
-                 huge_pages: bool | None = None, native_gemm: bool | None = None):
+                 huge_pages: bool | None = None, native_gemm: bool | None = None, lora_prefetch: bool | None = None):
         import hashlib
 
         from bench.engine import ALL_TARGETS
@@ -311,6 +311,8 @@ class Lorafleet:
             kw["huge_pages"] = huge_pages
         if native_gemm is not None:
             kw["native_gemm"] = native_gemm
+        if lora_prefetch is not None:
+            kw["lora_prefetch"] = lora_prefetch
         probe = ModelRunner(w.base, pool_pages=1, max_lora_rank=w.max_rank, enable_lora=True,
                             **{k: v for k, v in kw.items() if k in ("adapter_dtype", "huge_pages")})
         pages = kv_pages + sum(probe.lora.pages_for(w.ranks[a], ALL_TARGETS) for a in set(w.adapter_of))
@@ -659,6 +661,14 @@ def gemm_ab(name: str, workdir: Path, rounds: int) -> dict:
     return _alternating(w, engines, rounds, "projections on the native GEMM vs oneDNN's packed GEMM")
 
 
+def lora_prefetch_ab(name: str, workdir: Path, rounds: int) -> dict:
+    """lorafleet with its GEMMs prefetching the step's adapter matrices for the LoRA calls after them (model.StepSides,
+    the default) against without (lora_prefetch=False), base-only and fleet, passes alternating; best of `rounds`."""
+    w = WORKLOADS[name](workdir)
+    engines = {"prefetch": Lorafleet(w), "none": Lorafleet(w, lora_prefetch=False)}
+    return _alternating(w, engines, rounds, "adapter matrices prefetched during the GEMMs vs not")
+
+
 def tied_head_ab(name: str, workdir: Path, rounds: int) -> dict:
     """lorafleet with a tied LM head packed into a copy for oneDNN (the default) against oneDNN on the embedding
     table as stored (pack_tied_head=False), base-only and fleet, passes alternating; best of `rounds`."""
@@ -747,6 +757,8 @@ def run_main(argv: list[str]) -> None:
                     help="only lorafleet: projections on the native fp32 GEMM vs oneDNN's packed GEMM")
     ap.add_argument("--adapter-dtype-ab", action="store_true",
                     help="only lorafleet: adapters stored in fp32 vs the 16-bit adapter pool (fp16, bf16)")
+    ap.add_argument("--lora-prefetch-ab", action="store_true",
+                    help="only lorafleet: the GEMMs prefetching the step's adapter matrices for the LoRA calls vs not")
     ap.add_argument("--tied-head-ab", action="store_true",
                     help="only lorafleet: a tied LM head packed into a copy vs oneDNN on the table as stored")
     ap.add_argument("--step-kernels-ab", action="store_true",
@@ -757,9 +769,11 @@ def run_main(argv: list[str]) -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch "
           f"{torch.__version__}, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', 'default')}; load average {load():.1f}", flush=True)
-    if args.packing_ab or args.adapter_dtype_ab or args.tied_head_ab or args.step_kernels_ab or args.gemm_ab:
+    if (args.packing_ab or args.adapter_dtype_ab or args.tied_head_ab or args.step_kernels_ab or args.gemm_ab
+            or args.lora_prefetch_ab):
         ab = (packing_ab if args.packing_ab else gemm_ab if args.gemm_ab else tied_head_ab if args.tied_head_ab
-              else step_kernels_ab if args.step_kernels_ab else adapter_dtype_ab)
+              else step_kernels_ab if args.step_kernels_ab else lora_prefetch_ab if args.lora_prefetch_ab
+              else adapter_dtype_ab)
         out = [ab(name, workdir, args.rounds) for name in args.workloads.split(",")]
         print(f"load average at end {load():.1f}")
         if args.json:

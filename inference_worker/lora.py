@@ -27,6 +27,10 @@ from protocol.memory import adapter_layout, adapter_pages
 from .memory_pool import PagePool
 
 TARGETS = TARGET_MODULES
+# The runner's GEMMs (q/k/v and gate/up fused) and the projections whose LoRA term follows each; an adapter's
+# matrices of one group lie side by side in its run (TARGET_MODULES order: protocol.memory.adapter_layout).
+GEMM_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+               "down": ("down_proj",)}
 
 def parse_peft_key(name: str) -> tuple[int, str, str]:
     """'base_model.model.model.layers.3.mlp.up_proj.lora_B.weight' -> (3, 'up_proj', 'B'); in-memory PEFT
@@ -229,7 +233,7 @@ class LoraPool:
 
     def mapping(self, token_slots: list[int]) -> StepLora | None:
         """The step's LoRA state, or None when no token uses an adapter (the LoRA term is zero)."""
-        active = {s for s in token_slots if s >= 0}
+        active = dict.fromkeys(s for s in token_slots if s >= 0)  # in the order the step's segments read them
         residents = []
         for s in active:
             resident = self._slots[s] if s < len(self._slots) else None
@@ -240,14 +244,28 @@ class LoraPool:
             return None
         targeted = frozenset().union(*(r.targets for r in residents))
         mapping = LoraMapping.build(token_slots, len(self._slots), device=self.device)
-        return StepLora(self, mapping, targeted)
+        return StepLora(self, mapping, targeted, residents)
+
+    def group_ranges(self, residents: list[Resident], group: str) -> list[tuple[int, int]]:
+        """(byte offset, bytes) in a layer's buffer of each adapter's matrices of a GEMM group (GEMM_GROUPS): what
+        the LoRA calls after that GEMM read, the same offsets in every layer."""
+        ranges, size = [], self.dtype.itemsize
+        for r in residents:
+            projs = [p for p in GEMM_GROUPS[group] if p in r.targets]
+            if projs:
+                lo = r.offsets[projs[0]][0]
+                hi = r.offsets[projs[-1]][1] + r.rank * self.projections[projs[-1]][1]
+                ranges.append(((r.start * self.page_elems + lo) * size, (hi - lo) * size))
+        return ranges
 
 
 class StepLora:
     """One forward step's LoRA: the mapping (built once) applied to every projection of every layer."""
 
-    def __init__(self, lora: LoraPool, mapping: LoraMapping, targeted: frozenset[str]) -> None:
+    def __init__(self, lora: LoraPool, mapping: LoraMapping, targeted: frozenset[str],
+                 residents: list[Resident] | None = None) -> None:
         self.lora, self.mapping, self.targeted = lora, mapping, targeted
+        self.residents = residents or []  # the step's adapters, in the order its segments read them
         # proj -> the native call every later layer repeats (kernels.cpu.NativeLoraCall), or None: the checked path
         self._calls: dict[str, NativeLoraCall | None] = {}
         self._buffer_ptrs: list[int] = []

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import StepKernels, gemm_available, paged_decode_attention, rope_kv_write
+from kernels import GemmSide, StepKernels, gemm_available, paged_decode_attention, rope_kv_write
 from kernels import gemm as native_gemm
 from kernels import gemm_pack as native_gemm_pack
 from kernels import rms_norm as native_rms_norm
@@ -33,7 +33,7 @@ from protocol.memory import PACK_MIN_HIDDEN, PoolSplit, page_elements, split_bud
 
 from .huge_pages import Collapse, collapse_resident_memory
 from .kv_cache import PagedKVCache, blocks_needed
-from .lora import LoraPool, StepLora
+from .lora import GEMM_GROUPS, LoraPool, StepLora
 from .memory_pool import PagePool
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
@@ -201,6 +201,27 @@ class _Decode:
     masks: dict[int | None, torch.Tensor | None]
 
 
+class StepSides:
+    """What each of a step's native GEMMs prefetches while it multiplies (kernels.GemmSide): the step's adapters'
+    matrices of its projections, which the LoRA calls right after it read. At the decode batch a GEMM is bound by its
+    arithmetic and leaves the memory bus mostly idle, while the LoRA kernel is bound by its reads. The ranges are byte
+    offsets in a layer's pool buffer, the same in every layer (memory_pool.PagePool: [L, P, E]).
+
+    Tried and not kept (bench/RESULTS.md, 2026-12-04): the decode tokens' KV pages for decode attention, prefetched
+    during the q/k/v GEMM before it (SmolLM2 base-only passes at 0.77 of the speed without) or during the previous
+    layer's gate/up GEMM (0.85)."""
+
+    __slots__ = ("groups", "bases")
+
+    def __init__(self, ranges: dict[str, list[tuple[int, int]]], bases: list[int]) -> None:
+        self.groups = {g: GemmSide(r) for g, r in ranges.items() if r}
+        self.bases = bases  # each layer's pool buffer's address
+
+    def at(self, layer: int, group: str) -> tuple[int, int, int] | None:
+        side = self.groups.get(group)
+        return None if side is None else side.at(self.bases[layer])
+
+
 @dataclass
 class StepContext:
     """Everything computed once per forward and reused by every layer."""
@@ -212,6 +233,7 @@ class StepContext:
     prefills: list[_Prefill]
     lora: StepLora | None
     native: StepKernels | None = None  # CPU fp32: the layers' small ops on buffers allocated once for the step
+    sides: StepSides | None = None  # what the native GEMMs prefetch for the calls after them
 
 
 def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -275,19 +297,21 @@ class Projection:
         else:
             self.weight = weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T + b."""
+    def __call__(self, x: torch.Tensor, side: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """x @ W^T + b. `side`: memory to prefetch meanwhile (kernels.GemmSide; the native GEMM only)."""
         if self.native:
-            return native_gemm(x, self.weight, self.out_features, self.bias, threads=torch.get_num_threads())
+            return native_gemm(x, self.weight, self.out_features, self.bias, threads=torch.get_num_threads(),
+                               side=side)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, side: tuple[int, int, int] | None = None) -> torch.Tensor:
         """out + x @ W^T + b, the residual add fused into the GEMM: oneDNN's binary-add post-op (a new tensor),
         or BLAS beta = 1 into `out` in place (and the native GEMM too). Use the returned tensor."""
         if self.native and out.stride(1) == 1:
-            return native_gemm(x, self.weight, self.out_features, self.bias, out, threads=torch.get_num_threads())
+            return native_gemm(x, self.weight, self.out_features, self.bias, out, threads=torch.get_num_threads(),
+                               side=side)
         if self.native:
             return out.add_(self(x))
         if self.onednn:
@@ -296,6 +320,10 @@ class Projection:
         if self.bias is not None:
             out.add_(self.bias)
         return out
+
+
+def _no_side(layer: int, group: str) -> None:
+    return None
 
 
 class Block:
@@ -330,12 +358,13 @@ class Block:
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         cfg, lora, layer, native = self.cfg, ctx.lora, self.layer, ctx.native
         T = x.shape[0]
+        side = ctx.sides.at if ctx.sides is not None else _no_side  # what each GEMM prefetches (StepSides)
         # --- attention ---
         if native is not None:  # [T, hidden]
             h = native.norm(x, self.input_norm)
         else:
             h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = self.qkv(h)  # [T, q_dim + 2 kv_dim]
+        qkv = self.qkv(h, side(layer, "qkv"))  # [T, q_dim + 2 kv_dim]
         q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
         if lora is not None:
             lora.add(qkv[:, :q_end], h, layer, "q_proj")
@@ -359,12 +388,12 @@ class Block:
             y = self.attend(q, k, v, ctx)  # [T, q_dim]
         # Residual adds fused into the GEMMs (x + y @ W_o^T): no [T, hidden] temporary and no separate add pass.
         # x is this forward's own activation (never a weight).
-        x = self.o.add_to(x, y)
+        x = self.o.add_to(x, y, side(layer, "o"))
         if lora is not None:
             lora.add(x, y, layer, "o_proj")
         # --- MLP ---
         h = native.norm(x, self.post_norm) if native is not None else rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        gu = self.gate_up(h)  # [T, 2 * intermediate]
+        gu = self.gate_up(h, side(layer, "gate_up"))  # [T, 2 * intermediate]
         inter = cfg.intermediate_size
         if lora is not None:
             lora.add(gu[:, :inter], h, layer, "gate_proj")
@@ -373,7 +402,7 @@ class Block:
             a = native.swiglu(gu)  # [T, intermediate]
         else:
             a = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-        x = self.down.add_to(x, a)  # x + a @ W_down^T
+        x = self.down.add_to(x, a, side(layer, "down"))  # x + a @ W_down^T
         if lora is not None:
             lora.add(x, a, layer, "down_proj")
         return x
@@ -451,7 +480,7 @@ class ModelRunner:
                  max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0,
                  packed_weights: bool | None = None, adapter_dtype: torch.dtype | None = None,
                  pack_tied_head: bool | None = None, step_kernels: bool = True, huge_pages: bool = True,
-                 native_gemm: bool | None = None) -> None:
+                 native_gemm: bool | None = None, lora_prefetch: bool = True) -> None:
         from transformers import AutoTokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -486,6 +515,12 @@ class ModelRunner:
             raise ValueError("native_gemm=True needs packed weights and the native GEMM "
                              "(AVX-512 or AVX2 + FMA, and a C compiler)")
         self.native_gemm = native_gemm
+        # Each native GEMM of a step with adapters prefetches the adapters' matrices that the LoRA calls right after it
+        # read (StepSides), so those come from the caches instead of DRAM. False leaves them to the LoRA kernel (A/B:
+        # bench/peers.py --lora-prefetch-ab); an attribute, so an A/B can flip it between passes.
+        self.lora_side_prefetch = lora_prefetch
+        self._layer_addr: list[int] = []
+        self._layer_addr_of: torch.Tensor | None = None
         # Decode attention on CPU in fp32 reads K/V in place from the pages (kernels/csrc/sgmv_cpu.c) instead of
         # gathering them for SDPA; False (or LORAFLEET_KERNELS_NATIVE=0, or no C compiler) keeps the gather.
         self.native_attention = self.device.type == "cpu" and self.dtype == torch.float32
@@ -751,9 +786,21 @@ class ModelRunner:
                 sin_signed=sin, write_rows=rows_t, layer_pages=[self.kv.pages(i) for i in range(cfg.num_layers)],
                 attend_blocks=attend_blocks, attend_lens=attend_lens, scale=1.0 / math.sqrt(cfg.head_dim),
                 threads=torch.get_num_threads())
+        sides = None
+        if self.native_gemm and self.lora_side_prefetch and self.lora is not None and lora is not None:
+            sides = StepSides({g: self.lora.group_ranges(lora.residents, g) for g in GEMM_GROUPS},
+                              self._layer_addresses())
         ctx = StepContext(cos=cos, sin=sin, write_rows=rows_t, decode=decode, prefills=prefills, lora=lora,
-                          native=native)
+                          native=native, sides=sides)
         return torch.tensor(tokens, dtype=torch.int64, device=dev), ctx, last
+
+    def _layer_addresses(self) -> list[int]:
+        """Each layer's pool buffer's address (StepSides), looked up once per pool."""
+        data = self.pool.data
+        if self._layer_addr_of is not data:
+            self._layer_addr = [data[layer].data_ptr() for layer in range(data.shape[0])]
+            self._layer_addr_of = data
+        return self._layer_addr
 
     def forward(self, steps: list[SeqStep]) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(steps), vocab] at each step's last token."""

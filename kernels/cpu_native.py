@@ -79,6 +79,7 @@ _GEMM_ARGTYPES = (
     _p, _i64,  # x [M, K], its row stride
     _p, _p,  # the packed weight (gemm_pack_f32), bias [N] or NULL
     _p, _i64, ctypes.c_int, ctypes.c_int,  # out [M, N], its row stride, accumulate into out, threads
+    _p, _p, _i64,  # the side stream to prefetch meanwhile: base, int64 [n][2] (byte offset, bytes), n; or NULL, NULL, 0
 )
 _ARGMAX_ARGTYPES = (
     _i64, _i64, _p, _i64,  # rows T, row length n, x [T, n], its row stride
@@ -307,10 +308,12 @@ def gemm_pack(weight):
     return packed
 
 
-def gemm(x, packed, n: int, bias=None, out=None, *, threads: int):
+def gemm(x, packed, n: int, bias=None, out=None, *, threads: int, side: tuple[int, int, int] | None = None):
     """x [M, K] @ W^T (+ bias) for W [n, K] packed by `gemm_pack`, into a new [M, n] tensor, or added to `out`
     [M, n] in place (the residual add) when it is given -> that tensor. x is made row-contiguous if it is not; out
-    must be (its rows contiguous). Sums in fp32, each output element over k in order, then + bias, then + out."""
+    must be (its rows contiguous). Sums in fp32, each output element over k in order, then + bias, then + out.
+    `side`: memory the caller reads next, prefetched a line at a time while the GEMM multiplies
+    (`GemmSide.at(base)`)."""
     import torch
 
     lib = _lib
@@ -327,8 +330,30 @@ def gemm(x, packed, n: int, bias=None, out=None, *, threads: int):
     elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != torch.float32:
         raise ValueError(f"gemm: out {tuple(out.shape)} is not [{m}, {n}] fp32 with contiguous rows")
     lib.gemm_f32(m, x.shape[1], n, x.data_ptr(), x.stride(0), packed.data_ptr(),
-                  bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), int(acc), threads)
+                  bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), int(acc), threads,
+                  *(side if side is not None else _NO_SIDE))
     return out
+
+
+_NO_SIDE = (None, None, 0)
+
+
+class GemmSide:
+    """Byte ranges of one buffer that a GEMM prefetches while it multiplies (csrc/gemm_f32.h, gemm_side): what the
+    caller reads right after it. At the decode batch the GEMM is bound by its arithmetic and leaves the memory bus
+    mostly idle; the LoRA kernel after it is bound by its reads. `ranges`: (byte offset, byte length) pairs, kept by
+    this object (the GEMM reads them through a pointer) and applied to any buffer's address with `at`."""
+
+    __slots__ = ("_ranges", "_ptr", "_n")
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        flat = [v for r in ranges for v in r]
+        self._ranges = (ctypes.c_int64 * len(flat))(*flat)
+        self._ptr, self._n = ctypes.addressof(self._ranges), len(ranges)
+
+    def at(self, base: int) -> tuple[int, int, int]:
+        """`gemm`'s side argument: these ranges of the buffer at address `base` (each layer's, laid out alike)."""
+        return (base, self._ptr, self._n)
 
 
 class StepKernels:

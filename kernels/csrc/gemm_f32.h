@@ -36,6 +36,50 @@ void gemm_pack_f32(int64_t N, int64_t K, const float *w, int64_t ldw, float *wp)
     }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* The side stream: memory the caller reads right after this GEMM (the step's LoRA weights of the projections just
+ * multiplied), given as byte ranges (offset from a base, length) and prefetched a line at a time over the GEMM's k
+ * steps, after the next panel's lines. A GEMM at the decode batch is bound by its FMAs, so the memory it leaves idle
+ * brings in what the LoRA kernel would otherwise wait on DRAM for. A cursor walks the ranges in order. */
+typedef struct {
+    const char *base;
+    const int64_t *ranges;  /* [n][2]: byte offset from base, byte length */
+    int64_t n, i;           /* ranges, the current one */
+    const char *p, *end;    /* the next line to fetch, the current range's end */
+    int64_t left;           /* lines still to fetch in this call */
+} gemm_side;
+
+static inline __attribute__((always_inline)) void gemm_side_next(gemm_side *s) {
+    __builtin_prefetch(s->p, 0, 2);  /* prefetcht1, as the next panel's lines */
+    s->p += 64;
+    s->left--;
+    if (s->p >= s->end) {
+        if (++s->i < s->n) {
+            s->p = s->base + s->ranges[2 * s->i];
+            s->end = s->p + s->ranges[2 * s->i + 1];
+        } else {
+            s->left = 0;  /* the last range is done */
+        }
+    }
+}
+
+/* Lines [lo, lo + n) of the side stream (ranges' lines counted end to end) as a cursor. */
+static gemm_side gemm_side_at(const char *base, const int64_t *ranges, int64_t nranges, int64_t lo, int64_t n) {
+    gemm_side s = {base, ranges, nranges, 0, NULL, NULL, 0};
+    if (!ranges || n <= 0) return s;
+    for (; s.i < nranges; s.i++) {
+        const int64_t lines = (ranges[2 * s.i + 1] + 63) / 64;
+        if (lo < lines) break;
+        lo -= lines;
+    }
+    if (s.i >= nranges) return s;
+    s.p = base + ranges[2 * s.i] + 64 * lo;
+    s.end = base + ranges[2 * s.i] + ranges[2 * s.i + 1];
+    s.left = n;
+    return s;
+}
+#endif
+
 #if defined(__AVX512F__)
 #define GEMM_NATIVE 1
 #define GEMM_MR 8                 /* rows per register block */
@@ -47,7 +91,7 @@ int gemm_f32_available(void) { return 1; }
  * into L2, evenly over the K steps. */
 static inline __attribute__((always_inline)) void gemm_block(
         int64_t K, const float *x, int64_t ldx, const float *b, float *out, int64_t ldo, const float *bias, int acc,
-        __mmask16 last, const char *pf, int64_t pf_lines, const int mr, const int nv) {
+        __mmask16 last, const char *pf, int64_t pf_lines, gemm_side *side, const int mr, const int nv) {
     __m512 c[GEMM_MR][GEMM_NV];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) c[r][v] = _mm512_setzero_ps();
@@ -56,6 +100,9 @@ static inline __attribute__((always_inline)) void gemm_block(
     const int64_t every = pf_lines <= 0 ? K + 1 : pf_lines <= K ? K / pf_lines : 1;
     const int64_t burst = pf_lines > K ? (pf_lines + K - 1) / K : 1;
     int64_t pf_i = 0, pf_next = 0;
+    const int64_t side_every = side->left <= 0 ? K + 1 : side->left <= K ? K / side->left : 1;
+    const int64_t side_burst = side->left > K ? (side->left + K - 1) / K : 1;
+    int64_t side_next = side_every / 2;
     for (int64_t k = 0; k < K; k++) {
         __m512 bv[GEMM_NV];
         for (int v = 0; v < nv; v++) bv[v] = _mm512_loadu_ps(b + k * nwp + 16 * v);
@@ -66,6 +113,10 @@ static inline __attribute__((always_inline)) void gemm_block(
         if (k == pf_next) {
             for (int64_t j = 0; j < burst && pf_i < pf_lines; j++, pf_i++) _mm_prefetch(pf + 64 * pf_i, _MM_HINT_T1);
             pf_next += every;
+        }
+        if (k == side_next) {
+            for (int64_t j = 0; j < side_burst && side->left > 0; j++) gemm_side_next(side);
+            side_next += side_every;
         }
     }
     for (int r = 0; r < mr; r++)
@@ -78,7 +129,7 @@ static inline __attribute__((always_inline)) void gemm_block(
         }
 }
 
-#define GEMM_BLOCK_ARGS K, x, ldx, b, out, ldo, bias, acc, last, pf, pf_lines
+#define GEMM_BLOCK_ARGS K, x, ldx, b, out, ldo, bias, acc, last, pf, pf_lines, side
 #define GEMM_ROWS(NV)                                                                       \
     switch (mr) {                                                                           \
         case 8: gemm_block(GEMM_BLOCK_ARGS, 8, NV); break;                                  \
@@ -93,7 +144,8 @@ static inline __attribute__((always_inline)) void gemm_block(
 
 /* mr rows of x against a whole panel of nw columns (b: its [K, ceil16(nw)] block). */
 static void gemm_rows(int64_t K, const float *x, int64_t ldx, const float *b, float *out, int64_t ldo,
-                      const float *bias, int acc, int64_t nw, const char *pf, int64_t pf_lines, int mr) {
+                      const float *bias, int acc, int64_t nw, const char *pf, int64_t pf_lines, gemm_side *side,
+                      int mr) {
     const int nv = (int)((nw + 15) / 16);
     const __mmask16 last = nw % 16 ? (__mmask16)((1u << (nw % 16)) - 1) : (__mmask16)0xFFFF;
     if (nv == 3) { GEMM_ROWS(3) }
@@ -119,12 +171,15 @@ int gemm_f32_available(void) { return 1; }
 /* mr rows of x against one 16-column strip (rows nwp floats apart in b), `cols` of which are stored. */
 static inline __attribute__((always_inline)) void gemm_strip(
         int64_t K, const float *x, int64_t ldx, const float *b, int64_t nwp, float *out, int64_t ldo,
-        const float *bias, int acc, int cols, const char *pf, int64_t pf_lines, const int mr) {
+        const float *bias, int acc, int cols, const char *pf, int64_t pf_lines, gemm_side *side, const int mr) {
     __m256 c[GEMM_MR][2];
     for (int r = 0; r < mr; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
     const int64_t every = pf_lines <= 0 ? K + 1 : pf_lines <= K ? K / pf_lines : 1;
     const int64_t burst = pf_lines > K ? (pf_lines + K - 1) / K : 1;
     int64_t pf_i = 0, pf_next = 0;
+    const int64_t side_every = side->left <= 0 ? K + 1 : side->left <= K ? K / side->left : 1;
+    const int64_t side_burst = side->left > K ? (side->left + K - 1) / K : 1;
+    int64_t side_next = side_every / 2;
     for (int64_t k = 0; k < K; k++) {
         const __m256 b0 = _mm256_loadu_ps(b + k * nwp), b1 = _mm256_loadu_ps(b + k * nwp + 8);
         for (int r = 0; r < mr; r++) {
@@ -135,6 +190,10 @@ static inline __attribute__((always_inline)) void gemm_strip(
         if (k == pf_next) {
             for (int64_t j = 0; j < burst && pf_i < pf_lines; j++, pf_i++) _mm_prefetch(pf + 64 * pf_i, _MM_HINT_T1);
             pf_next += every;
+        }
+        if (k == side_next) {
+            for (int64_t j = 0; j < side_burst && side->left > 0; j++) gemm_side_next(side);
+            side_next += side_every;
         }
     }
     if (cols == 16) {
@@ -162,7 +221,8 @@ static inline __attribute__((always_inline)) void gemm_strip(
 /* mr rows of x against a whole panel of nw columns (b: its [K, ceil16(nw)] block), strip by strip; the
  * prefetch's lines are shared out over the strips. */
 static void gemm_rows(int64_t K, const float *x, int64_t ldx, const float *b, float *out, int64_t ldo,
-                      const float *bias, int acc, int64_t nw, const char *pf, int64_t pf_lines, int mr) {
+                      const float *bias, int acc, int64_t nw, const char *pf, int64_t pf_lines, gemm_side *side,
+                      int mr) {
     const int nv = (int)((nw + 15) / 16);
     const int64_t nwp = 16 * nv, per = (pf_lines + nv - 1) / nv;
     for (int v = 0; v < nv; v++) {
@@ -170,7 +230,11 @@ static void gemm_rows(int64_t K, const float *x, int64_t ldx, const float *b, fl
         const int64_t lo = min64(v * per, pf_lines), n = min64(per, pf_lines - lo);
         const char *p = pf ? pf + 64 * lo : NULL;
         const float *bb = bias ? bias + 16 * v : NULL;
-#define GEMM_STRIP(MR) gemm_strip(K, x, ldx, b + 16 * v, nwp, out + 16 * v, ldo, bb, acc, cols, p, n, MR)
+        /* the side stream's lines of this row block, shared out over its strips */
+        gemm_side part = *side;
+        part.left = min64((side->left + nv - 1 - v) / (nv - v), side->left);
+        side->left -= part.left;
+#define GEMM_STRIP(MR) gemm_strip(K, x, ldx, b + 16 * v, nwp, out + 16 * v, ldo, bb, acc, cols, p, n, &part, MR)
         switch (mr) {  /* each row count its own unrolled copy */
             case 6: GEMM_STRIP(6); break;
             case 5: GEMM_STRIP(5); break;
@@ -180,6 +244,8 @@ static void gemm_rows(int64_t K, const float *x, int64_t ldx, const float *b, fl
             default: GEMM_STRIP(1); break;
         }
 #undef GEMM_STRIP
+        side->i = part.i, side->p = part.p, side->end = part.end;
+        side->left += part.left;
     }
 }
 #endif
@@ -192,6 +258,9 @@ typedef struct {
     const float *x, *wp, *bias;
     float *out;
     int acc;
+    const char *side_base;      /* the side stream (gemm_side), or NULL */
+    const int64_t *side_ranges;
+    int64_t side_n, side_lines, side_calls;  /* ranges, their lines, the row-block calls they spread over */
     _Atomic uint64_t *spans;  /* per unit: its panels not yet claimed, [lo, hi) as hi << 32 | lo */
 } gemm_args;
 
@@ -209,14 +278,23 @@ static void gemm_panel(const gemm_args *a, int64_t p, int64_t next) {
     const int64_t calls = blocks * chunks, per_call = (next_lines + calls - 1) / calls;
     const int64_t nwp = (nw + 15) / 16 * 16;
     int64_t call = 0;
+    /* this panel's share of the side stream: the lines of its calls at their place among all the GEMM's calls */
+    gemm_side side = {0};
+    if (a->side_lines > 0) {
+        const int64_t first = p * calls, lo = first * a->side_lines / a->side_calls;
+        side = gemm_side_at(a->side_base, a->side_ranges, a->side_n, lo,
+                            (first + calls) * a->side_lines / a->side_calls - lo);
+    }
+    const int64_t side_total = side.left;
     for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kc) {  /* once at K = 0: out gets the bias (or stays out) */
         const int64_t kn = min64(kc, K - k0);
         for (int64_t bi = 0; bi < blocks; bi++, call++) {
             const int64_t m0 = bi * GEMM_MR;
             const int mr = (int)min64(GEMM_MR, M - m0);
             const int64_t lo = min64(call * per_call, next_lines);
+            side.left = side_total * (call + 1) / calls - side_total * call / calls;
             gemm_rows(kn, a->x + m0 * ldx + k0, ldx, b + k0 * nwp, a->out + m0 * ldo + p0, ldo, k0 ? NULL : bias,
-                      k0 ? 1 : a->acc, nw, pf ? pf + 64 * lo : NULL, min64(per_call, next_lines - lo), mr);
+                      k0 ? 1 : a->acc, nw, pf ? pf + 64 * lo : NULL, min64(per_call, next_lines - lo), &side, mr);
         }
     }
 }
@@ -258,25 +336,33 @@ static void gemm_unit(const void *vp, int64_t u) {
 
 /* out[M, N] = x[M, K] @ W^T (+ bias[N]) (+ out when acc) with W packed by gemm_pack_f32; x's and out's rows
  * contiguous, ldx / ldo apart. The panels are split into `nthreads` contiguous runs, one per team thread,
- * which steal from each other's ends once their own is done (gemm_unit). */
+ * which steal from each other's ends once their own is done (gemm_unit). side_ranges [side_n][2] (byte offset
+ * from side_base, byte length), or NULL: memory to prefetch while multiplying (gemm_side). */
 void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, const float *wp, const float *bias,
-              float *out, int64_t ldo, int acc, int nthreads) {
+              float *out, int64_t ldo, int acc, int nthreads, const char *side_base, const int64_t *side_ranges,
+              int64_t side_n) {
     const int64_t panels = (N + GEMM_NR - 1) / GEMM_NR;
+    int64_t side_lines = 0;
+    for (int64_t i = 0; side_ranges && i < side_n; i++) side_lines += (side_ranges[2 * i + 1] + 63) / 64;
+    /* spread over the first pass's calls (one pass over the weights up to GEMM_M_CHUNK rows) */
+    const int64_t m1 = min64(GEMM_M_CHUNK, M), k_chunks = K > GEMM_KC ? (K + GEMM_KC - 1) / GEMM_KC : 1;
+    const int64_t side_calls = panels * ((m1 + GEMM_MR - 1) / GEMM_MR) * k_chunks;
     const int64_t units = min64(min64(panels, nthreads > 1 ? nthreads : 1), GEMM_MAX_UNITS);
     _Atomic uint64_t spans[GEMM_MAX_UNITS];
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_CHUNK) {
         for (int64_t u = 0; u < units; u++)
             atomic_init(&spans[u], ((uint64_t)((u + 1) * panels / units) << 32) | (uint64_t)(u * panels / units));
         gemm_args a = {min64(GEMM_M_CHUNK, M - m0), K, N, ldx, ldo, units, x + m0 * ldx, wp, bias,
-                       out + m0 * ldo, acc, spans};
+                       out + m0 * ldo, acc, side_base, side_ranges, side_n, m0 ? 0 : side_lines, side_calls, spans};
         parallel_for_team(gemm_unit, &a, units, nthreads);
     }
 }
 #else
 int gemm_f32_available(void) { return 0; }
 void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, const float *wp, const float *bias,
-              float *out, int64_t ldo, int acc, int nthreads) {
+              float *out, int64_t ldo, int acc, int nthreads, const char *side_base, const int64_t *side_ranges,
+              int64_t side_n) {
     (void)M; (void)K; (void)N; (void)x; (void)ldx; (void)wp; (void)bias; (void)out; (void)ldo; (void)acc;
-    (void)nthreads;
+    (void)nthreads; (void)side_base; (void)side_ranges; (void)side_n;
 }
 #endif

@@ -97,3 +97,28 @@ def test_no_rows_and_what_it_does_not_take():
     with pytest.raises(ValueError, match="contiguous rows"):
         gemm(torch.randn(4, 16), packed, 48, torch.zeros(48), torch.zeros(48, 4).t(), threads=1)
     assert cpu_native.load() is not None
+
+
+@pytest.mark.parametrize("m", [1, 64, 560, 1100])
+def test_prefetching_a_side_stream_leaves_every_result_bit_for_bit(m):
+    """The side stream (kernels.GemmSide: the step's adapter matrices, fetched while the GEMM multiplies) is only
+    prefetched: the results are the same bits with and without it, and the memory it names is left as it was,
+    whether its lines are fewer than the GEMM's k steps, many times more, split over ranges of a line or less, or
+    over more rows than one pass over the weights takes."""
+    from kernels import GemmSide
+
+    g = torch.Generator().manual_seed(m)
+    k, n = 1100, 200  # AVX2: K in two chunks
+    w, x, bias = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    residual = torch.randn(m, n, generator=g)
+    packed = gemm_pack(w)
+    plain = gemm(x, packed, n, bias, residual.clone(), threads=2)
+    side_buffer = torch.randn(4 << 20, generator=g)  # 16 MB
+    before = side_buffer.clone()
+    for ranges in ([(0, side_buffer.numel() * 4)], [(64 * i, 1 + i % 80) for i in range(0, 20000, 7)],
+                   [(0, 0), (128, 64), (1 << 20, 3 << 20)]):
+        side = GemmSide(ranges)
+        for threads in (1, 2):
+            got = gemm(x, packed, n, bias, residual.clone(), threads=threads, side=side.at(side_buffer.data_ptr()))
+            assert torch.equal(got, plain)
+    assert torch.equal(side_buffer, before)
