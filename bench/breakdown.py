@@ -58,10 +58,11 @@ def instrument(decode_rows: int) -> None:
     """Wrap the engine's GEMMs, LoRA calls, attention and forward in timers; a step of at most `decode_rows`
     tokens is a decode step."""
     proj = model_mod.Projection
-    proj.__call__ = timed(proj.__call__, lambda self, x: gemm_bucket(x.shape[0]),
-                          lambda self, x, out: 2.0 * x.shape[0] * x.shape[1] * out.shape[1])
-    proj.add_to = timed(proj.add_to, lambda self, out, x: gemm_bucket(x.shape[0]),
-                        lambda self, out, x, res: 2.0 * x.shape[0] * x.shape[1] * res.shape[1])
+    # (a side stream to prefetch may follow x: model.StepSides; the result comes last)
+    proj.__call__ = timed(proj.__call__, lambda self, x, *_: gemm_bucket(x.shape[0]),
+                          lambda self, x, *rest: 2.0 * x.shape[0] * x.shape[1] * rest[-1].shape[1])
+    proj.add_to = timed(proj.add_to, lambda self, out, x, *_: gemm_bucket(x.shape[0]),
+                        lambda self, out, x, *rest: 2.0 * x.shape[0] * x.shape[1] * rest[-1].shape[1])
     lora_mod.StepLora.add = timed(lora_mod.StepLora.add,
                                   lambda self, out, x, layer, proj: "LoRA, decode steps" if x.shape[0] <= decode_rows
                                   else "LoRA, steps with a prefill")
@@ -72,6 +73,11 @@ def instrument(decode_rows: int) -> None:
     step.attention = timed(timed(step.attention, lambda self, *a: "attention of decode tokens" if self.T <= decode_rows
                                  else "attention, steps with a prompt"), lambda *a: "attention")
     model_mod.ModelRunner.forward = timed(model_mod.ModelRunner.forward, lambda *a: "forward")
+    # parts of the rest: the step's small ops, the step's set-up, the LM head's norm and cast (its GEMM is a GEMM)
+    for name in ("norm", "rope_kv", "swiglu"):
+        setattr(step, name, timed(getattr(step, name), lambda *a, name=name: f"rest: {name}"))
+    model_mod.ModelRunner._context = timed(model_mod.ModelRunner._context, lambda *a: "rest: the step's set-up")
+    model_mod.ModelRunner._head = timed(model_mod.ModelRunner._head, lambda *a: "rest: LM head (its GEMM too)")
 
 
 def main() -> None:
@@ -109,7 +115,7 @@ def main() -> None:
             print(f"    attention of decode tokens  {seconds['attention of decode tokens']:6.2f} s, "
                   f"{calls['attention of decode tokens']:6d} calls", flush=True)
             for k in sorted(seconds):
-                if k.startswith(("GEMM", "LoRA")):
+                if k.startswith(("GEMM", "LoRA", "rest")):
                     rate = f", {flops[k] / seconds[k] / 1e9:6.1f} GFLOP/s" if flops[k] else ""
                     print(f"    {k:27s} {seconds[k]:6.2f} s, {calls[k]:6d} calls{rate}", flush=True)
     engine.close()

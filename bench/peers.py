@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -506,15 +507,19 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
         result["passes"].append({"gemm_512": pre.best / 1e9, "gemm_decode": dec.best / 1e9, "read_gb_s": bw / 1e9,
                                  "load": pre.load_average})
         for sysname, mode in passes:
-            l0, c0 = load(), cpu_seconds()
+            l0, c0, r0 = load(), cpu_seconds(), resource.getrusage(resource.RUSAGE_SELF)
             wall, tokens = systems[sysname].timed(mode)
-            l1 = load()
+            l1, r1 = load(), resource.getrusage(resource.RUSAGE_SELF)
             # vLLM's CPU time is its own process's (this one waits on a pipe meanwhile); the others run in this one
             cpu = systems[sysname].last_cpu if sysname == "vllm" else cpu_seconds() - c0
             result["passes"].append({"system": sysname, "mode": mode, "tok_s": generated / wall, "cpu_s": cpu,
                                      "load": (l0 + l1) / 2})
+            # page faults and kernel time of this process's passes (vLLM's are its own process's): memory the pass had
+            # to map again, e.g. after another system's pass in this process gave its heap back
+            faults = "" if sysname == "vllm" else (f", {r1.ru_minflt - r0.ru_minflt} page faults, "
+                                                    f"{r1.ru_stime - r0.ru_stime:.2f} s in the kernel")
             print(f"  {sysname:10s} {mode:6s} {generated / wall:8.1f} tok/s, {cpu:6.1f} CPU-s = {generated / cpu:7.1f} "
-                  f"tok per CPU-s  (load average {l0:.1f} -> {l1:.1f})", flush=True)
+                  f"tok per CPU-s  (load average {l0:.1f} -> {l1:.1f}{faults})", flush=True)
             if (sysname, mode) not in best or wall < best[sysname, mode][0]:
                 best[sysname, mode] = (wall, tokens)
             best_cpu[sysname, mode] = min(best_cpu.get((sysname, mode), float("inf")), cpu)
