@@ -77,6 +77,7 @@ class LoraPool:
         self.packing = pool.dtype.itemsize // self.dtype.itemsize  # adapter elements per pool element
         self.page_elems = pool.page_elems * self.packing  # adapter elements of one page, per layer
         self._buffers = [pool.layer_buffer(layer).view(self.dtype) for layer in range(pool.num_layers)]
+        self.buffer_ptrs = [b.data_ptr() for b in self._buffers]  # each layer's buffer's address, for native calls
         self._slots: list[Resident | None] = []
         self._reserve: list[int] = []  # free fixed-slot runs (first pages)
         self.fixed_pages = 0
@@ -263,12 +264,11 @@ class StepLora:
     """One forward step's LoRA: the mapping (built once) applied to every projection of every layer."""
 
     def __init__(self, lora: LoraPool, mapping: LoraMapping, targeted: frozenset[str],
-                 residents: list[Resident] | None = None) -> None:
+                 residents: list[Resident]) -> None:
         self.lora, self.mapping, self.targeted = lora, mapping, targeted
-        self.residents = residents or []  # the step's adapters, in the order its segments read them
+        self.residents = residents  # the step's adapters, in the order its segments read them
         # proj -> the native call every later layer repeats (kernels.cpu.NativeLoraCall), or None: the checked path
         self._calls: dict[str, NativeLoraCall | None] = {}
-        self._buffer_ptrs: list[int] = []
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """out += LoRA term of proj at layer. out: [T, d_out] (a column view is fine), x: [T, d_in].
@@ -289,6 +289,4 @@ class StepLora:
         if call is None:
             add_lora(out, x, lora._buffers[layer], lora.tables[proj], self.mapping, lora.scales)
             return
-        if not self._buffer_ptrs:
-            self._buffer_ptrs = [b.data_ptr() for b in lora._buffers]
-        call(out, x, self._buffer_ptrs[layer])
+        call(out, x, lora.buffer_ptrs[layer])

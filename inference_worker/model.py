@@ -519,8 +519,6 @@ class ModelRunner:
         # read (StepSides), so those come from the caches instead of DRAM. False leaves them to the LoRA kernel (A/B:
         # bench/peers.py --lora-prefetch-ab); an attribute, so an A/B can flip it between passes.
         self.lora_side_prefetch = lora_prefetch
-        self._layer_addr: list[int] = []
-        self._layer_addr_of: torch.Tensor | None = None
         # Decode attention on CPU in fp32 reads K/V in place from the pages (kernels/csrc/sgmv_cpu.c) instead of
         # gathering them for SDPA; False (or LORAFLEET_KERNELS_NATIVE=0, or no C compiler) keeps the gather.
         self.native_attention = self.device.type == "cpu" and self.dtype == torch.float32
@@ -789,18 +787,10 @@ class ModelRunner:
         sides = None
         if self.native_gemm and self.lora_side_prefetch and self.lora is not None and lora is not None:
             sides = StepSides({g: self.lora.group_ranges(lora.residents, g) for g in GEMM_GROUPS},
-                              self._layer_addresses())
+                              self.lora.buffer_ptrs)
         ctx = StepContext(cos=cos, sin=sin, write_rows=rows_t, decode=decode, prefills=prefills, lora=lora,
                           native=native, sides=sides)
         return torch.tensor(tokens, dtype=torch.int64, device=dev), ctx, last
-
-    def _layer_addresses(self) -> list[int]:
-        """Each layer's pool buffer's address (StepSides), looked up once per pool."""
-        data = self.pool.data
-        if self._layer_addr_of is not data:
-            self._layer_addr = [data[layer].data_ptr() for layer in range(data.shape[0])]
-            self._layer_addr_of = data
-        return self._layer_addr
 
     def forward(self, steps: list[SeqStep]) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(steps), vocab] at each step's last token."""

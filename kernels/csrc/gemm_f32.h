@@ -63,6 +63,14 @@ static inline __attribute__((always_inline)) void gemm_side_next(gemm_side *s) {
     }
 }
 
+/* A prefetch stream of `lines` lines spread over K steps: one prefetch every `*every` steps, `*burst` lines at a time
+ * (more than one only when lines > K); none when lines <= 0. */
+static inline __attribute__((always_inline)) void gemm_pf_schedule(int64_t lines, int64_t K, int64_t *every,
+                                                                   int64_t *burst) {
+    *every = lines <= 0 ? K + 1 : lines <= K ? K / lines : 1;
+    *burst = lines > K ? (lines + K - 1) / K : 1;
+}
+
 /* Lines [lo, lo + n) of the side stream (ranges' lines counted end to end) as a cursor. */
 static gemm_side gemm_side_at(const char *base, const int64_t *ranges, int64_t nranges, int64_t lo, int64_t n) {
     gemm_side s = {base, ranges, nranges, 0, NULL, NULL, 0};
@@ -96,13 +104,10 @@ static inline __attribute__((always_inline)) void gemm_block(
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) c[r][v] = _mm512_setzero_ps();
     const int64_t nwp = 16 * nv;
-    /* a prefetch every `every` k steps, `burst` lines at a time (more than one only when pf_lines > K) */
-    const int64_t every = pf_lines <= 0 ? K + 1 : pf_lines <= K ? K / pf_lines : 1;
-    const int64_t burst = pf_lines > K ? (pf_lines + K - 1) / K : 1;
-    int64_t pf_i = 0, pf_next = 0;
-    const int64_t side_every = side->left <= 0 ? K + 1 : side->left <= K ? K / side->left : 1;
-    const int64_t side_burst = side->left > K ? (side->left + K - 1) / K : 1;
-    int64_t side_next = side_every / 2;
+    int64_t every, burst, side_every, side_burst;  /* the next panel's lines, and the side stream's (gemm_pf_schedule) */
+    gemm_pf_schedule(pf_lines, K, &every, &burst);
+    gemm_pf_schedule(side->left, K, &side_every, &side_burst);
+    int64_t pf_i = 0, pf_next = 0, side_next = side_every / 2;
     for (int64_t k = 0; k < K; k++) {
         __m512 bv[GEMM_NV];
         for (int v = 0; v < nv; v++) bv[v] = _mm512_loadu_ps(b + k * nwp + 16 * v);
@@ -174,12 +179,10 @@ static inline __attribute__((always_inline)) void gemm_strip(
         const float *bias, int acc, int cols, const char *pf, int64_t pf_lines, gemm_side *side, const int mr) {
     __m256 c[GEMM_MR][2];
     for (int r = 0; r < mr; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
-    const int64_t every = pf_lines <= 0 ? K + 1 : pf_lines <= K ? K / pf_lines : 1;
-    const int64_t burst = pf_lines > K ? (pf_lines + K - 1) / K : 1;
-    int64_t pf_i = 0, pf_next = 0;
-    const int64_t side_every = side->left <= 0 ? K + 1 : side->left <= K ? K / side->left : 1;
-    const int64_t side_burst = side->left > K ? (side->left + K - 1) / K : 1;
-    int64_t side_next = side_every / 2;
+    int64_t every, burst, side_every, side_burst;  /* the next panel's lines, and the side stream's (gemm_pf_schedule) */
+    gemm_pf_schedule(pf_lines, K, &every, &burst);
+    gemm_pf_schedule(side->left, K, &side_every, &side_burst);
+    int64_t pf_i = 0, pf_next = 0, side_next = side_every / 2;
     for (int64_t k = 0; k < K; k++) {
         const __m256 b0 = _mm256_loadu_ps(b + k * nwp), b1 = _mm256_loadu_ps(b + k * nwp + 8);
         for (int r = 0; r < mr; r++) {
@@ -253,6 +256,9 @@ static void gemm_rows(int64_t K, const float *x, int64_t ldx, const float *b, fl
 #if defined(GEMM_NATIVE)
 #define GEMM_MAX_UNITS 64
 
+/* K in chunks of at most GEMM_KC (even sizes): a chunk's rows of x stay in L1 and its part of the panel in L2 */
+static inline int64_t gemm_k_chunks(int64_t K) { return K > GEMM_KC ? (K + GEMM_KC - 1) / GEMM_KC : 1; }
+
 typedef struct {
     int64_t M, K, N, ldx, ldo, units;
     const float *x, *wp, *bias;
@@ -273,8 +279,7 @@ static void gemm_panel(const gemm_args *a, int64_t p, int64_t next) {
     const float *bias = a->bias ? a->bias + p0 : NULL;
     const char *pf = next >= 0 ? (const char *)(a->wp + next * GEMM_NR * K) : NULL;
     const int64_t next_lines = next >= 0 ? (min64(GEMM_NR, N - next * GEMM_NR) + 15) / 16 * 16 * K * 4 / 64 : 0;
-    /* K in chunks of at most GEMM_KC (even sizes): a chunk's rows of x stay in L1 and its part of the panel in L2 */
-    const int64_t chunks = K > GEMM_KC ? (K + GEMM_KC - 1) / GEMM_KC : 1, kc = K > 0 ? (K + chunks - 1) / chunks : 1;
+    const int64_t chunks = gemm_k_chunks(K), kc = K > 0 ? (K + chunks - 1) / chunks : 1;
     const int64_t calls = blocks * chunks, per_call = (next_lines + calls - 1) / calls;
     const int64_t nwp = (nw + 15) / 16 * 16;
     int64_t call = 0;
@@ -345,8 +350,7 @@ void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, cons
     int64_t side_lines = 0;
     for (int64_t i = 0; side_ranges && i < side_n; i++) side_lines += (side_ranges[2 * i + 1] + 63) / 64;
     /* spread over the first pass's calls (one pass over the weights up to GEMM_M_CHUNK rows) */
-    const int64_t m1 = min64(GEMM_M_CHUNK, M), k_chunks = K > GEMM_KC ? (K + GEMM_KC - 1) / GEMM_KC : 1;
-    const int64_t side_calls = panels * ((m1 + GEMM_MR - 1) / GEMM_MR) * k_chunks;
+    const int64_t side_calls = panels * ((min64(GEMM_M_CHUNK, M) + GEMM_MR - 1) / GEMM_MR) * gemm_k_chunks(K);
     const int64_t units = min64(min64(panels, nthreads > 1 ? nthreads : 1), GEMM_MAX_UNITS);
     _Atomic uint64_t spans[GEMM_MAX_UNITS];
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_CHUNK) {
