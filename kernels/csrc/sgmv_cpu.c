@@ -537,9 +537,9 @@ int paged_decode_attention_f32(int64_t B, const float *q, int64_t sq, const floa
 /* ---- RMSNorm -------------------------------------------------------------------------------------------
  * out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), fp32, in transformers' LlamaRMSNorm order (normalise,
  * then scale by the weight). torch ran it as six ops (pow, mean, add, rsqrt, mul, mul), each a pass over
- * the rows and an OpenMP region: 80-130 us a call inside a SmolLM2 decode step against ~10 here. Rows run
- * on the calling thread; a batch big enough to repay a team (a long prefill chunk on a wide model) is
- * split over it in chunks of rows. */
+ * the rows and an OpenMP region: 80-130 us a call inside a SmolLM2 decode step against ~10 here. Rows go
+ * over the team in two units a thread from NORM_ROPE_TEAM_MIN elements (a decode step's), else run on the
+ * calling thread. */
 typedef struct {
     const float *x, *w;
     float *out;
@@ -562,17 +562,22 @@ static void rms_unit(const void *args, int64_t unit) {
     }
 }
 
-#define TEAM_MIN_ELEMS (1 << 20)  /* below this many elements one thread is faster than waking a team */
-
-/* Rows per unit of a row-wise kernel touching `elems` floats: all T rows in one unit (which parallel_for_team
- * runs on the calling thread) below TEAM_MIN_ELEMS, else chunks of 16 rows over the team. */
-static int64_t row_chunk(int64_t T, int64_t elems, int nthreads) {
-    return elems >= TEAM_MIN_ELEMS && nthreads > 1 ? 16 : (T > 0 ? T : 1);
+/* Rows per unit of a row-wise kernel over `elems` floats: two units a thread from `team_min` elements on, else
+ * all T rows in one unit (which parallel_for_team runs on the calling thread). */
+static int64_t rows_two_units_a_thread(int64_t T, int64_t elems, int64_t team_min, int nthreads) {
+    return elems >= team_min && nthreads > 1 ? (T + 2 * nthreads - 1) / (2 * nthreads) : (T > 0 ? T : 1);
 }
+
+#define TEAM_MIN_ELEMS (1 << 20)  /* argmax_rows_f32: below this many elements one thread is faster than a team */
+/* RMSNorm and RoPE + KV write: a decode step's 64 rows go over the team from here on. They follow a GEMM, whose team
+ * still spins, and their data sits in the two cores' caches in halves. Paired in one process (SmolLM2, the Zen 4 host,
+ * 2026-12-04, 4 rounds, thread count alternating by pass), a base-only pass's decode calls took 0.05-0.16 / 0.06-0.10 s
+ * on the team against 0.18-0.25 / 0.12-0.16 s on one thread, as they ran before (fleet passes alike). */
+#define NORM_ROPE_TEAM_MIN (1 << 14)
 
 void rms_norm_f32(int64_t T, int64_t d, const float *x, int64_t sx, const float *w, float *out, int64_t so,
                   float eps, int nthreads) {
-    const int64_t per = row_chunk(T, T * d, nthreads);
+    const int64_t per = rows_two_units_a_thread(T, T * d, NORM_ROPE_TEAM_MIN, nthreads);
     rms_args a = {x, w, out, sx, so, d, per, T, eps};
     parallel_for_team(rms_unit, &a, (T + per - 1) / per, nthreads);
 }
@@ -584,7 +589,7 @@ void rms_norm_f32(int64_t T, int64_t d, const float *x, int64_t sx, const float 
  * values of the row) are also stored in the layer's pages at the token's flat row (page row / bs, offset
  * row % bs; a page is [2, KV, bs, hd]: K heads, then V heads). torch ran this as eight ops a layer (a cat, a
  * mul, an addcmul, a floor-divide, a remainder and two index_puts): 5.5-8.5 ms of a SmolLM2 decode step.
- * Tokens run on the calling thread, on the team when there are enough of them to repay it. */
+ * Tokens go over the team as RMSNorm's rows do (NORM_ROPE_TEAM_MIN). */
 typedef struct {
     const float *qkv, *cos, *sin;
     float *qk, *pages;
@@ -623,7 +628,7 @@ int rope_kv_write_f32(int64_t T, const float *qkv, int64_t sqkv, int64_t H, int6
                       int64_t num_pages, const int64_t *rows, int64_t bs, int nthreads) {
     for (int64_t t = 0; t < T; t++)
         if (rows[t] < 0 || rows[t] >= num_pages * bs) return -1;
-    const int64_t per = row_chunk(T, T * (H + 2 * KV) * hd, nthreads);
+    const int64_t per = rows_two_units_a_thread(T, T * (H + 2 * KV) * hd, NORM_ROPE_TEAM_MIN, nthreads);
     rope_args a = {qkv, cos, sin, qk, pages, rows, sqkv, scs, H, KV, hd, page_stride, bs, per, T};
     parallel_for_team(rope_unit, &a, (T + per - 1) / per, nthreads);
     return 0;
@@ -654,12 +659,6 @@ static void swiglu_unit(const void *args, int64_t unit) {
 }
 
 #define SWIGLU_TEAM_MIN (1 << 16)
-
-/* Rows per unit of a row-wise kernel over `elems` floats: two units a thread from `team_min` elements on, else
- * all T rows in one unit (which parallel_for_team runs on the calling thread). */
-static int64_t rows_two_units_a_thread(int64_t T, int64_t elems, int64_t team_min, int nthreads) {
-    return elems >= team_min && nthreads > 1 ? (T + 2 * nthreads - 1) / (2 * nthreads) : (T > 0 ? T : 1);
-}
 
 void swiglu_f32(int64_t T, int64_t n, const float *gu, int64_t sg, float *out, int64_t so, int nthreads) {
     const int64_t per = rows_two_units_a_thread(T, T * n, SWIGLU_TEAM_MIN, nthreads);
