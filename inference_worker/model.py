@@ -785,9 +785,9 @@ class ModelRunner:
                 attend_blocks=attend_blocks, attend_lens=attend_lens, scale=1.0 / math.sqrt(cfg.head_dim),
                 threads=torch.get_num_threads())
         sides = None
-        if self.native_gemm and self.lora_side_prefetch and self.lora is not None and lora is not None:
-            sides = StepSides({g: self.lora.group_ranges(lora.residents, g) for g in GEMM_GROUPS},
-                              self.lora.buffer_ptrs)
+        if self.native_gemm and self.lora_side_prefetch and lora is not None:
+            sides = StepSides({g: lora.lora.group_ranges(lora.residents, g) for g in GEMM_GROUPS},
+                              lora.lora.buffer_ptrs)
         ctx = StepContext(cos=cos, sin=sin, write_rows=rows_t, decode=decode, prefills=prefills, lora=lora,
                           native=native, sides=sides)
         return torch.tensor(tokens, dtype=torch.int64, device=dev), ctx, last
