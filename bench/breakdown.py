@@ -75,7 +75,8 @@ def instrument(decode_rows: int) -> None:
     model_mod.ModelRunner.forward = timed(model_mod.ModelRunner.forward, lambda *a: "forward")
     # parts of the rest: the step's small ops, the step's set-up, the LM head's norm and cast (its GEMM is a GEMM)
     for name in ("norm", "rope_kv", "swiglu"):
-        setattr(step, name, timed(getattr(step, name), lambda *a, name=name: f"rest: {name}"))
+        setattr(step, name, timed(getattr(step, name), lambda self, *a, name=name:
+                                  f"rest: {name}, " + ("decode steps" if self.T <= decode_rows else "steps with a prompt")))
     model_mod.ModelRunner._context = timed(model_mod.ModelRunner._context, lambda *a: "rest: the step's set-up")
     model_mod.ModelRunner._head = timed(model_mod.ModelRunner._head, lambda *a: "rest: LM head (its GEMM too)")
 

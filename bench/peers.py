@@ -18,7 +18,8 @@ Four systems on the same model directory, the same adapter folders and the same 
 - PEFT        `PeftModel.generate(adapter_names=[...])`, the drawn adapters loaded, one batch
 
 Two modes per system: base-only (every request on the base) and fleet (each request on its Zipf-drawn
-adapter). A round runs every (system, mode) pass once, one after another; the run keeps each pass's best
+adapter). A round runs every (system, mode) pass once, one after another, a system's modes back to back
+(lorafleet base-only, fleet, fp16-pool fleet; vLLM base-only, fleet; HF; PEFT); the run keeps each pass's best
 of `--rounds` rounds (load on shared CPUs only ever slows a pass down) and prints the load average with
 every pass. The fp32 limit (bench/limits.py) is measured in the same run, before each round.
 
@@ -489,8 +490,11 @@ def run_workload(name: str, workdir: Path, rounds: int, python: Path | None, lim
             print(f"vLLM cannot run here: {v.info.get('error')}\n{v.info.get('traceback', '')}", flush=True)
     systems["hf"] = HF(w, "base")
     systems["peft"] = HF(w, "fleet")
-    passes = [("lorafleet", "base"), ("vllm", "base"), ("hf", "base"),
-              ("lorafleet", "fleet"), ("lorafleet16", "fleet"), ("vllm", "fleet"), ("peft", "fleet")]
+    # Each system's modes back to back: a ratio of two modes (fleet / base-only) then compares passes a minute apart
+    # rather than four, on a host whose speed drifts by more than the goals' margins within minutes, and no other
+    # system's pass (HF's generate in this process) runs between a system's two modes.
+    passes = [("lorafleet", "base"), ("lorafleet", "fleet"), ("lorafleet16", "fleet"),
+              ("vllm", "base"), ("vllm", "fleet"), ("hf", "base"), ("peft", "fleet")]
     passes = [p for p in passes if p[0] in systems]
     best: dict[tuple[str, str], tuple[float, list]] = {}
     best_cpu: dict[tuple[str, str], float] = {}
