@@ -674,7 +674,7 @@ def lora_prefetch_ab(name: str, workdir: Path, rounds: int) -> dict:
     """lorafleet with its GEMMs prefetching the step's adapter matrices for the LoRA calls after them (model.StepSides,
     the default) against without (lora_prefetch=False), base-only and fleet, passes alternating; best of `rounds`."""
     w = WORKLOADS[name](workdir)
-    engines = {"prefetch": Lorafleet(w), "none": Lorafleet(w, lora_prefetch=False)}
+    engines = {"prefetch": Lorafleet(w, lora_prefetch=True), "none": Lorafleet(w, lora_prefetch=False)}
     return _alternating(w, engines, rounds, "adapter matrices prefetched during the GEMMs vs not")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import GemmSide, StepKernels, gemm_available, paged_decode_attention, rope_kv_write
+from kernels import GemmSide, StepKernels, gemm_available, gemm_side_helps, paged_decode_attention, rope_kv_write
 from kernels import gemm as native_gemm
 from kernels import gemm_pack as native_gemm_pack
 from kernels import rms_norm as native_rms_norm
@@ -480,7 +480,7 @@ class ModelRunner:
                  max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0,
                  packed_weights: bool | None = None, adapter_dtype: torch.dtype | None = None,
                  pack_tied_head: bool | None = None, step_kernels: bool = True, huge_pages: bool = True,
-                 native_gemm: bool | None = None, lora_prefetch: bool = True) -> None:
+                 native_gemm: bool | None = None, lora_prefetch: bool | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -517,8 +517,9 @@ class ModelRunner:
         self.native_gemm = native_gemm
         # Each native GEMM of a step with adapters prefetches the adapters' matrices that the LoRA calls right after it
         # read (StepSides), so those come from the caches instead of DRAM. False leaves them to the LoRA kernel (A/B:
-        # bench/peers.py --lora-prefetch-ab); an attribute, so an A/B can flip it between passes.
-        self.lora_side_prefetch = lora_prefetch
+        # bench/peers.py --lora-prefetch-ab); an attribute, so an A/B can flip it between passes. None: where it was
+        # measured to help (kernels.gemm_side_helps: AMD CPUs; on an Intel Xeon it cost the fleet 11%).
+        self.lora_side_prefetch = gemm_side_helps() if lora_prefetch is None else lora_prefetch
         # Decode attention on CPU in fp32 reads K/V in place from the pages (kernels/csrc/sgmv_cpu.c) instead of
         # gathering them for SDPA; False (or LORAFLEET_KERNELS_NATIVE=0, or no C compiler) keeps the gather.
         self.native_attention = self.device.type == "cpu" and self.dtype == torch.float32

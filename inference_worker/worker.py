@@ -184,8 +184,10 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
         pack_tied = os.environ.get("LORAFLEET_WORKER_PACK_TIED_HEAD", "1").lower() not in ("0", "false", "no")
         # 0: the packed projections run on oneDNN instead of the native GEMM (kernels.gemm, where it runs: AVX-512, or AVX2 + FMA)
         native_gemm = os.environ.get("LORAFLEET_WORKER_NATIVE_GEMM", "1").lower() not in ("0", "false", "no")
-        # 0: the native GEMMs do not prefetch the step's adapter matrices for the LoRA calls after them
-        lora_prefetch = os.environ.get("LORAFLEET_WORKER_LORA_PREFETCH", "1").lower() not in ("0", "false", "no")
+        # 0: the native GEMMs do not prefetch the step's adapter matrices for the LoRA calls after them; 1: they do;
+        # unset (auto): where that was measured to help (kernels.gemm_side_helps: AMD CPUs)
+        prefetch_env = os.environ.get("LORAFLEET_WORKER_LORA_PREFETCH", "auto").lower()
+        lora_prefetch = None if prefetch_env == "auto" else prefetch_env not in ("0", "false", "no")
         runner = ModelRunner(checkpoint_path, device=device, max_lora_rank=max_lora_rank, memory_bytes=budget,
                              max_running=max_running, max_batch_tokens=prefill_chunk + max_running,
                              adapter_dtype=adapter_dtype_of(adapter_dtype), pack_tied_head=None if pack_tied else False,

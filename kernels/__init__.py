@@ -7,7 +7,7 @@ A and B of one projection lie in a flat weight buffer, once per adapter load/evi
 the paged KV cache), `rms_norm`, `rope_kv_write`, `swiglu` and `argmax_rows` (CPU, fp32, one pass each), and `StepKernels`
 (those four with a step's shapes checked and its buffers allocated once for all layers), and `gemm_pack` / `gemm`
 (CPU, fp32, AVX-512 or AVX2: the projections' GEMM on weights packed once, prefetching what `GemmSide` names
-meanwhile; `gemm_available`). Imports nothing of
+meanwhile; `gemm_available`, `gemm_side_helps`). Imports nothing of
 the project. (Hugging Face publishes an unrelated PyPI package also named `kernels`; never install it here.)
 """
 from .cpu_native import (
@@ -17,6 +17,7 @@ from .cpu_native import (
     gemm,
     gemm_available,
     gemm_pack,
+    gemm_side_helps,
     paged_decode_attention,
     rms_norm,
     rope_kv_write,
@@ -27,5 +28,5 @@ from .mapping import LoraMapping
 from .table import HALF_WEIGHTS, LoraTable
 
 __all__ = ["HALF_WEIGHTS", "GemmSide", "StepKernels", "LoraMapping", "LoraTable", "add_lora", "argmax_rows", "gemm",
-           "gemm_available", "gemm_pack", "lora_expand", "lora_shrink",
+           "gemm_available", "gemm_pack", "gemm_side_helps", "lora_expand", "lora_shrink",
            "paged_decode_attention", "repeatable_lora_call", "rms_norm", "rope_kv_write", "swiglu"]

@@ -288,6 +288,18 @@ def gemm_available() -> bool:
     return lib is not None and bool(lib.gemm_f32_available())
 
 
+def gemm_side_helps() -> bool:
+    """Whether a GEMM's side stream (GemmSide) is worth turning on by default here: on AMD CPUs. Measured paired in one
+    process (bench/peers.py --lora-prefetch-ab, bench/RESULTS.md 2026-12-04): on a Zen 4 EPYC, SmolLM2's fleet pass
+    ran 1.04x (median of 7 rounds) with it; on an Intel Xeon guest (AVX-512 with AMX, 2 MB L2 a core) it ran 0.89x
+    (SmolLM2, rounds 0.90 / 0.89 / 0.91) and 0.97x (mid), base-only passes alike either way."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(ln.startswith("vendor_id") and "AuthenticAMD" in ln for ln in info.splitlines()[:40])
+
+
 def _gemm_packed_elems(n: int, k: int) -> int:
     """Floats of a packed [n, k] weight: its panels' width rounded up to whole 16-float vectors (csrc/gemm_f32.h)."""
     return (n + 15) // 16 * 16 * k
