@@ -92,13 +92,18 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("LORAFLEET_KERNELS_CACHE", default))
 
 
-def _cpu_fingerprint() -> str:
+def _cpuinfo_first(*keys: str) -> list[str]:
+    """The first CPU's /proc/cpuinfo lines that start with `keys` (none where it cannot be read)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
     except OSError:
-        lines = [platform.processor()]
-    return "\n".join(lines)
+        return []
+    first = info.split("\n\n", 1)[0]
+    return [ln for ln in first.splitlines() if ln.startswith(keys)]
+
+
+def _cpu_fingerprint() -> str:
+    return "\n".join(_cpuinfo_first("model name", "flags")[:2] or [platform.processor()])
 
 
 def _build(target: Path) -> None:
@@ -293,11 +298,7 @@ def gemm_side_helps() -> bool:
     process (bench/peers.py --lora-prefetch-ab, bench/RESULTS.md 2026-12-04): on a Zen 4 EPYC, SmolLM2's fleet pass
     ran 1.04x (median of 7 rounds) with it; on an Intel Xeon guest (AVX-512 with AMX, 2 MB L2 a core) it ran 0.89x
     (SmolLM2, rounds 0.90 / 0.89 / 0.91) and 0.97x (mid), base-only passes alike either way."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(ln.startswith("vendor_id") and "AuthenticAMD" in ln for ln in info.splitlines()[:40])
+    return any("AuthenticAMD" in ln for ln in _cpuinfo_first("vendor_id"))
 
 
 def _gemm_packed_elems(n: int, k: int) -> int:

@@ -20,6 +20,11 @@
 #endif
 
 #define TB 4          /* tokens per register block */
+#ifdef __AVX512F__
+#define EXPAND_LONG_C 4  /* sgmv_units.h expand_long: 4 tokens x 4 vectors, 16 accumulators of 32 registers */
+#else
+#define EXPAND_LONG_C 2  /* 8 accumulators of 16 registers */
+#endif
 
 /* Loops that call expf: on AVX2 without AVX-512 GCC 12 vectorizes them with libmvec's 4-wide SSE expf unless told
  * 8 lanes (_ZGVdN8v_expf, the AVX2 one; SwiGLU's gate on SmolLM2's 64 x 1536: 176 -> 137 us a call). */

@@ -266,28 +266,19 @@ static int64_t SFX(expand_short)(const float *y, int64_t sy, const WT *b, int64_
  * reloads each rank row for every token. bench/lora_step.py on the Intel Xeon host (2026-12-04, SmolLM2's fleet,
  * builds alternating): a 512-token prefill chunk's LoRA term 0.892 of the tile's time from DRAM (109.6 against
  * 123.0 ms best), 0.854 cached; a decode step's (segments of 3+ tokens: the popular adapters') 0.977. */
-#ifdef __AVX512F__
-#define EXPAND_LONG_C 4  /* 4 tokens x 4 vectors: 16 accumulators, 4 broadcasts and a weight of 32 registers */
-#else
-#define EXPAND_LONG_C 2  /* 8 accumulators of 16 registers */
-#endif
+static inline __attribute__((always_inline)) void SFX(expand_tokens)(const float *y, int64_t sy, const WT *b,
+        int64_t sbr, int rank, float *out, int64_t so, int64_t len, const int C, int64_t c, float scale) {
+    int64_t t = 0;
+    for (; t + 4 <= len; t += 4) SFX(expand_cols)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 4, C, c, scale);
+    for (; t + 2 <= len; t += 2) SFX(expand_cols)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 2, C, c, scale);
+    for (; t < len; t++) SFX(expand_cols)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 1, C, c, scale);
+}
 static int64_t SFX(expand_long)(const float *y, int64_t sy, const WT *b, int64_t sbr, int rank, float *out,
                                 int64_t so, int64_t len, int64_t ncols, float scale) {
     int64_t c = 0;
-    for (; c + 8 * EXPAND_LONG_C <= ncols; c += 8 * EXPAND_LONG_C) {
-        int64_t t = 0;
-        for (; t + 4 <= len; t += 4)
-            SFX(expand_cols)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 4, EXPAND_LONG_C, c, scale);
-        for (; t + 2 <= len; t += 2)
-            SFX(expand_cols)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 2, EXPAND_LONG_C, c, scale);
-        for (; t < len; t++)
-            SFX(expand_cols)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 1, EXPAND_LONG_C, c, scale);
-    }
-    for (; c + 8 <= ncols; c += 8) {
-        int64_t t = 0;
-        for (; t + 4 <= len; t += 4) SFX(expand_cols)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 4, 1, c, scale);
-        for (; t < len; t++) SFX(expand_cols)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 1, 1, c, scale);
-    }
+    for (; c + 8 * EXPAND_LONG_C <= ncols; c += 8 * EXPAND_LONG_C)
+        SFX(expand_tokens)(y, sy, b, sbr, rank, out, so, len, EXPAND_LONG_C, c, scale);
+    for (; c + 8 <= ncols; c += 8) SFX(expand_tokens)(y, sy, b, sbr, rank, out, so, len, 1, c, scale);
     return c;
 }
 #endif
