@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import GemmSide, StepKernels, gemm_available, gemm_side_helps, paged_decode_attention, rope_kv_write
+from kernels import GemmSide, StepArena, StepKernels, gemm_available, gemm_side_helps, paged_decode_attention, rope_kv_write
 from kernels import gemm as native_gemm
 from kernels import gemm_pack as native_gemm_pack
 from kernels import rms_norm as native_rms_norm
@@ -361,7 +361,7 @@ class Block:
         side = ctx.sides.at if ctx.sides is not None else _no_side  # what each GEMM prefetches (StepSides)
         # --- attention ---
         if native is not None:  # [T, hidden]
-            h = native.norm(x, self.input_norm)
+            h = native.norm(x, self.input_norm, layer)
         else:
             h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         qkv = self.qkv(h, side(layer, "qkv"))  # [T, q_dim + 2 kv_dim]
@@ -392,14 +392,17 @@ class Block:
         if lora is not None:
             lora.add(x, y, layer, "o_proj")
         # --- MLP ---
-        h = native.norm(x, self.post_norm) if native is not None else rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        if native is not None:
+            h = native.norm(x, self.post_norm, layer, post=True)
+        else:
+            h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gu = self.gate_up(h, side(layer, "gate_up"))  # [T, 2 * intermediate]
         inter = cfg.intermediate_size
         if lora is not None:
             lora.add(gu[:, :inter], h, layer, "gate_proj")
             lora.add(gu[:, inter:], h, layer, "up_proj")
         if native is not None:
-            a = native.swiglu(gu)  # [T, intermediate]
+            a = native.swiglu(gu, layer)  # [T, intermediate]
         else:
             a = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
         x = self.down.add_to(x, a, side(layer, "down"))  # x + a @ W_down^T
@@ -527,6 +530,7 @@ class ModelRunner:
         # kernels.StepKernels per step (buffers and shapes set up once for all layers, each call a ctypes call on
         # integers); False keeps the per-call wrappers and torch's silu * up (A/B: bench/peers.py --step-kernels-ab).
         self.step_kernels = step_kernels
+        self._step_arena = StepArena()  # the small ops' outputs, a copy a layer, kept from step to step
         w = self._read_weights()
         self.weights_bytes = sum(t.numel() * t.element_size() for t in w.values())
         self.embed = w.pop("model.embed_tokens.weight")  # [vocab, hidden]
@@ -784,7 +788,7 @@ class ModelRunner:
                 kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=bs, eps=cfg.rms_norm_eps, cos=cos,
                 sin_signed=sin, write_rows=rows_t, layer_pages=[self.kv.pages(i) for i in range(cfg.num_layers)],
                 attend_blocks=attend_blocks, attend_lens=attend_lens, scale=1.0 / math.sqrt(cfg.head_dim),
-                threads=torch.get_num_threads())
+                threads=torch.get_num_threads(), layers=cfg.num_layers, arena=self._step_arena)
         sides = None
         if self.native_gemm and self.lora_side_prefetch and lora is not None:
             sides = StepSides({g: lora.lora.group_ranges(lora.residents, g) for g in GEMM_GROUPS},

@@ -12,6 +12,7 @@ the project. (Hugging Face publishes an unrelated PyPI package also named `kerne
 """
 from .cpu_native import (
     GemmSide,
+    StepArena,
     StepKernels,
     argmax_rows,
     gemm,
@@ -27,6 +28,6 @@ from .dispatch import add_lora, lora_expand, lora_shrink, repeatable_lora_call
 from .mapping import LoraMapping
 from .table import HALF_WEIGHTS, LoraTable
 
-__all__ = ["HALF_WEIGHTS", "GemmSide", "StepKernels", "LoraMapping", "LoraTable", "add_lora", "argmax_rows", "gemm",
+__all__ = ["HALF_WEIGHTS", "GemmSide", "StepArena", "StepKernels", "LoraMapping", "LoraTable", "add_lora", "argmax_rows", "gemm",
            "gemm_available", "gemm_pack", "gemm_side_helps", "lora_expand", "lora_shrink",
            "paged_decode_attention", "repeatable_lora_call", "rms_norm", "rope_kv_write", "swiglu"]

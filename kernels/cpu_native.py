@@ -19,6 +19,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from protocol.memory import STEP_ARENA_BYTES  # the copies' bytes (StepArena), in the CPU workspace
+
 _SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.c"
 _HEADERS = (Path(__file__).parent / "csrc" / "sgmv_units.h",
             Path(__file__).parent / "csrc" / "gemm_f32.h")  # included by _SOURCE: part of the cache key
@@ -369,6 +371,52 @@ class GemmSide:
         return (base, self._ptr, self._n)
 
 
+class StepArena:
+    """Where a runner's steps keep their small ops' outputs (StepKernels), from one step to the next: one fp32 buffer
+    grown to the largest step seen, cut per step into R copies of the step's buffers, layer l writing copy l % R,
+    with R = the model's layers where they fit in STEP_ARENA_BYTES bytes (a decode step), fewer where not (at least 1).
+
+    Why copies: a buffer that both cores have just read, as both threads of the next GEMM read all of its input, sits
+    in both cores' caches, and the next write to it must first take every line back from the other core. On the 2-vCPU
+    Zen 4 guest that cost little while the host kept the two vCPUs close, and 5x in the phases (tens of seconds, on and
+    off) where it put them apart: SwiGLU's output read by the down GEMM after it, one buffer for every layer, took
+    206-224 us a call against 37-48 us with a buffer a layer (30 layers, SmolLM2's decode shapes; a ring of 8 held
+    ~50 us at the median, 2 or 4 did not help; bench/RESULTS.md 2026-12-05). A copy written again only a step later has
+    left the other core's caches by then."""
+
+    __slots__ = ("_buf", "_carved")
+
+    def __init__(self) -> None:
+        self._buf = None
+        self._carved: dict[tuple, list[list]] = {}  # the last few steps' shapes, cut already
+
+    def carve(self, layers: int, widths: list[int], rows: int) -> list[list]:
+        """R copies of [rows, width] fp32 buffers, one per width -> [copy][buffer]; R as the class says."""
+        import torch
+
+        key = (layers, tuple(widths), rows)
+        hit = self._carved.get(key)
+        if hit is not None:
+            return hit
+        per_copy = rows * sum(widths)
+        copies = max(1, min(layers, STEP_ARENA_BYTES // max(1, 4 * per_copy)))
+        need = copies * per_copy
+        if self._buf is None or self._buf.numel() < need:
+            self._buf = torch.empty(need, dtype=torch.float32)
+            self._carved.clear()  # views of the old buffer
+        if len(self._carved) >= 16:
+            self._carved.clear()
+        out, at = [], 0
+        for _ in range(copies):
+            bufs = []
+            for w in widths:
+                bufs.append(self._buf[at:at + rows * w].view(rows, w))
+                at += rows * w
+            out.append(bufs)
+        self._carved[key] = out
+        return out
+
+
 class StepKernels:
     """One forward step's native calls (CPU, fp32), with what every layer shares worked out once.
 
@@ -383,8 +431,9 @@ class StepKernels:
     call, prompt tokens included (each its own query over its sequence's pages), instead of an SDPA call per
     chunk.
 
-    Every method returns one of the step's buffers, which the next layer's call of the same method overwrites:
-    a caller is done with it by then (a layer reads its norm's output in its GEMM and LoRA terms, and so on).
+    Every method returns one of the step's buffers, which a later layer's call of the same method overwrites (the
+    layer's own copy, StepArena; at the latest the next layer's): a caller is done with it by then (a layer reads its
+    norm's output in its GEMM and LoRA terms, and so on).
     `build` returns None where the library or the tensors are not covered; the caller then uses the wrappers
     above, or torch.
     """
@@ -392,11 +441,14 @@ class StepKernels:
     @classmethod
     def build(cls, *, rows: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
               block_size: int, eps: float, cos, sin_signed, write_rows, layer_pages: list,
-              attend_blocks=None, attend_lens=None, scale: float = 1.0, threads: int = 1) -> StepKernels | None:
+              attend_blocks=None, attend_lens=None, scale: float = 1.0, threads: int = 1, layers: int = 1,
+              arena: StepArena | None = None) -> StepKernels | None:
         """cos, sin_signed [T, 1, hd] or [T, hd], write_rows int64 [T], layer_pages each layer's
         [P, 2 kv_heads, block_size * hd]; attend_blocks int64 [T, nb] and attend_lens int64 [T], every token's
         sequence's KV blocks and the positions it attends to (its own included), when every token of the step is
-        to attend on the kernel (`attention` is then available)."""
+        to attend on the kernel (`attention` is then available). `arena` (StepArena, the runner's): where the step's
+        buffers come from, a copy for each of `layers` layers where they fit; without one they are allocated for this
+        step, one copy for all layers."""
         import torch
 
         lib = load()
@@ -415,21 +467,20 @@ class StepKernels:
         return cls(lib, rows=rows, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
                    head_dim=head_dim, block_size=block_size, eps=eps, scale=scale, threads=threads, cos=cos,
                    sin_signed=sin_signed, write_rows=write_rows, layer_pages=layer_pages,
-                   attend=(attend_blocks, attend_lens) if attend else None)
+                   attend=(attend_blocks, attend_lens) if attend else None, layers=layers,
+                   arena=arena if arena is not None else StepArena())
 
     def __init__(self, lib: ctypes.CDLL, *, rows: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
                  head_dim: int, block_size: int, eps: float, scale: float, threads: int, cos, sin_signed, write_rows,
-                 layer_pages: list, attend: tuple | None) -> None:
+                 layer_pages: list, attend: tuple | None, layers: int, arena: StepArena) -> None:
         """What `build` checked; use `build`."""
-        import torch
-
         self.lib, self.T, self.hidden, self.inter = lib, rows, hidden, intermediate
         self.H, self.KV, self.hd, self.bs = heads, kv_heads, head_dim, block_size
         self.eps, self.scale, self.threads = float(eps), float(scale), int(threads)
-        self.h = torch.empty(rows, hidden)
-        self.qk = torch.empty(rows, heads + kv_heads, head_dim)
-        self.a = torch.empty(rows, intermediate)
-        self.y = torch.empty(rows, heads * head_dim) if attend is not None else None
+        # per copy: the two norms' outputs, q and k rotated, SwiGLU's output, the attention's output
+        widths = [hidden, hidden, (heads + kv_heads) * head_dim, intermediate] + ([heads * head_dim] if attend else [])
+        self._copies = arena.carve(max(1, int(layers)), widths, rows)
+        self.y = True if attend is not None else None
         self._cos, self._sin, self._rows = cos.data_ptr(), sin_signed.data_ptr(), write_rows.data_ptr()
         self._pages = [p.data_ptr() for p in layer_pages]
         self._page_stride, self._num_pages = layer_pages[0].stride(0), layer_pages[0].shape[0]
@@ -439,38 +490,47 @@ class StepKernels:
             self._blocks, self._nb, self._lens = attend[0].data_ptr(), attend[0].shape[1], attend[1].data_ptr()
         self._keep = (cos, sin_signed, write_rows, attend, layer_pages)  # what the pointers point into
 
-    def norm(self, x, weight):
-        """RMSNorm of the step's activations x [T, hidden] (contiguous) by weight [hidden] -> the step's `h`."""
-        self.lib.rms_norm_f32(self.T, self.hidden, x.data_ptr(), self.hidden, weight.data_ptr(), self.h.data_ptr(),
+    def _copy(self, layer: int) -> list:
+        return self._copies[layer % len(self._copies)]
+
+    def norm(self, x, weight, layer: int = 0, post: bool = False):
+        """RMSNorm of the step's activations x [T, hidden] (contiguous) by weight [hidden] -> `layer`'s buffer for
+        its input norm, or for its post-attention norm (`post`)."""
+        h = self._copy(layer)[1 if post else 0]
+        self.lib.rms_norm_f32(self.T, self.hidden, x.data_ptr(), self.hidden, weight.data_ptr(), h.data_ptr(),
                               self.hidden, self.eps, self.threads)
-        return self.h
+        return h
 
     def rope_kv(self, qkv, layer: int):
         """RoPE and the KV write (rope_kv_write) of the fused q/k/v GEMM's output [T, q + 2 kv] (contiguous)
-        into `layer`'s pages -> the step's `qk` [T, heads + kv_heads, hd]."""
+        into `layer`'s pages -> `layer`'s `qk` [T, heads + kv_heads, hd]."""
+        qk = self._copy(layer)[2]
         rc = self.lib.rope_kv_write_f32(self.T, qkv.data_ptr(), self._qkv_stride, self.H, self.KV, self.hd,
-                                        self._cos, self._sin, self.hd, self.qk.data_ptr(), self._pages[layer],
+                                        self._cos, self._sin, self.hd, qk.data_ptr(), self._pages[layer],
                                         self._page_stride, self._num_pages, self._rows, self.bs, self.threads)
         if rc != 0:
             raise IndexError(f"a KV row is outside the layer's {self._num_pages} pages of {self.bs} positions")
-        return self.qk
+        return qk.view(self.T, self.H + self.KV, self.hd)
 
     def attention(self, layer: int, window: int | None):
         """Attention of every token's rotated query (from rope_kv) over `layer`'s pages, where rope_kv has just
-        stored the step's own keys and values -> the step's `y` [T, heads * hd]. One query per token, each over
+        stored the step's own keys and values -> `layer`'s `y` [T, heads * hd]. One query per token, each over
         its sequence's positions before it and its own (attend_lens): a decode token as decode attention does, a
         prompt token causally. None when `build` was given no attend tables or the shapes are beyond the
         kernel."""
         if self.y is None:
             return None
+        copy = self._copy(layer)
+        y = copy[4]
         rc = self.lib.paged_decode_attention_f32(
-            self.T, self.qk.data_ptr(), (self.H + self.KV) * self.hd, self._pages[layer], self._page_stride,
-            self._blocks, self._nb, self._lens, self.y.data_ptr(), self.H * self.hd, self.KV, self.H // self.KV,
+            self.T, copy[2].data_ptr(), (self.H + self.KV) * self.hd, self._pages[layer], self._page_stride,
+            self._blocks, self._nb, self._lens, y.data_ptr(), self.H * self.hd, self.KV, self.H // self.KV,
             self.hd, self.bs, window or 0, self.scale, self.threads)
-        return self.y if rc == 0 else None
+        return y if rc == 0 else None
 
-    def swiglu(self, gu):
-        """SwiGLU's gate of the fused gate/up GEMM's output [T, 2 intermediate] (contiguous) -> the step's `a`."""
-        self.lib.swiglu_f32(self.T, self.inter, gu.data_ptr(), 2 * self.inter, self.a.data_ptr(), self.inter,
+    def swiglu(self, gu, layer: int = 0):
+        """SwiGLU's gate of the fused gate/up GEMM's output [T, 2 intermediate] (contiguous) -> `layer`'s `a`."""
+        a = self._copy(layer)[3]
+        self.lib.swiglu_f32(self.T, self.inter, gu.data_ptr(), 2 * self.inter, a.data_ptr(), self.inter,
                             self.threads)
-        return self.a
+        return a

@@ -86,6 +86,11 @@ def adapter_pages(shape: ModelShape, rank: int, targets, block_size: int, packin
     return -(-adapter_elements_per_layer(shape, rank, targets) // (page_elements(shape, block_size) * int(packing)))
 
 
+# The CPU runner's copies of a step's small-op outputs, one a layer where they fit (kernels.cpu_native.StepArena): at
+# most this many bytes beyond the one copy the workspace below counts.
+STEP_ARENA_BYTES = 32 << 20
+
+
 def workspace_bytes(shape: ModelShape, *, vocab_size: int, max_batch_tokens: int, max_running: int,
                     max_context: int, max_lora_rank: int, dtype_bytes: int, chunked_decode: bool = False) -> int:
     """The activation workspace of the largest step the engine runs, by arithmetic (the CPU figure; on
@@ -95,12 +100,14 @@ def workspace_bytes(shape: ModelShape, *, vocab_size: int, max_batch_tokens: int
     rotated copy [T, q + 2kv] x2, attention output [T, q], fused gate/up and the SiLU product [T, 3 I],
     the LoRA shrink scratch (fp32 [T, r_max]), the logits of the sampled rows (fp32 [running, vocab])
     and the decode batch's gathered K and V (2 x kv_dim x running x context; the CPU runner gathers in
-    ~2 MiB chunks, `chunked_decode`, so there it is 4 MiB), plus the RoPE tables (2 x context x head_dim)."""
+    ~2 MiB chunks, `chunked_decode`, so there it is 4 MiB), plus the RoPE tables (2 x context x head_dim); on
+    CPU (`chunked_decode`) also the small ops' per-layer copies (STEP_ARENA_BYTES)."""
     s, T = shape, int(max_batch_tokens)
     act = T * (2 * s.hidden_size + 2 * (s.q_dim + 2 * s.kv_dim) + s.q_dim + 3 * s.intermediate_size)
     act += 2 * int(max_context) * s.head_dim
     if chunked_decode:
-        return act * dtype_bytes + (4 << 20) + 4 * (T * max_lora_rank + int(max_running) * vocab_size)
+        return (act * dtype_bytes + (4 << 20) + STEP_ARENA_BYTES
+                + 4 * (T * max_lora_rank + int(max_running) * vocab_size))
     gather = 2 * s.kv_dim * int(max_running) * int(max_context)
     return (act + gather) * dtype_bytes + 4 * (T * max_lora_rank + int(max_running) * vocab_size)
 
