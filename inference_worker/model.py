@@ -29,7 +29,14 @@ from kernels import gemm as native_gemm
 from kernels import gemm_pack as native_gemm_pack
 from kernels import rms_norm as native_rms_norm
 from protocol.lora_layout import ModelShape
-from protocol.memory import PACK_MIN_HIDDEN, PoolSplit, page_elements, split_budget, workspace_bytes
+from protocol.memory import (
+    PACK_MIN_HIDDEN,
+    STEP_ARENA_BYTES,
+    PoolSplit,
+    page_elements,
+    split_budget,
+    workspace_bytes,
+)
 
 from .huge_pages import Collapse, collapse_resident_memory
 from .kv_cache import PagedKVCache, blocks_needed
@@ -530,7 +537,7 @@ class ModelRunner:
         # kernels.StepKernels per step (buffers and shapes set up once for all layers, each call a ctypes call on
         # integers); False keeps the per-call wrappers and torch's silu * up (A/B: bench/peers.py --step-kernels-ab).
         self.step_kernels = step_kernels
-        self._step_arena = StepArena()  # the small ops' outputs, a copy a layer, kept from step to step
+        self._step_arena = StepArena(STEP_ARENA_BYTES)  # the small ops' outputs, a copy a layer, from step to step
         w = self._read_weights()
         self.weights_bytes = sum(t.numel() * t.element_size() for t in w.values())
         self.embed = w.pop("model.embed_tokens.weight")  # [vocab, hidden]

@@ -18,8 +18,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-
-from protocol.memory import STEP_ARENA_BYTES  # the copies' bytes (StepArena), in the CPU workspace
+from typing import Any
 
 _SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.c"
 _HEADERS = (Path(__file__).parent / "csrc" / "sgmv_units.h",
@@ -374,7 +373,8 @@ class GemmSide:
 class StepArena:
     """Where a runner's steps keep their small ops' outputs (StepKernels), from one step to the next: one fp32 buffer
     grown to the largest step seen, cut per step into R copies of the step's buffers, layer l writing copy l % R,
-    with R = the model's layers where they fit in STEP_ARENA_BYTES bytes (a decode step), fewer where not (at least 1).
+    with R = the model's layers where they fit in `cap_bytes` (a decode step), fewer where not (at least 1). The runner
+    gives it protocol.memory.STEP_ARENA_BYTES, which its CPU workspace counts.
 
     Why copies: a buffer that both cores have just read, as both threads of the next GEMM read all of its input, sits
     in both cores' caches, and the next write to it must first take every line back from the other core. On the 2-vCPU
@@ -384,10 +384,11 @@ class StepArena:
     ~50 us at the median, 2 or 4 did not help; bench/RESULTS.md 2026-12-05). A copy written again only a step later has
     left the other core's caches by then."""
 
-    __slots__ = ("_buf", "_carved")
+    __slots__ = ("_buf", "_carved", "cap_bytes")
 
-    def __init__(self) -> None:
-        self._buf = None
+    def __init__(self, cap_bytes: int = 32 << 20) -> None:
+        self.cap_bytes = int(cap_bytes)
+        self._buf: Any = None  # a torch tensor once a step has asked
         self._carved: dict[tuple, list[list]] = {}  # the last few steps' shapes, cut already
 
     def carve(self, layers: int, widths: list[int], rows: int) -> list[list]:
@@ -399,7 +400,7 @@ class StepArena:
         if hit is not None:
             return hit
         per_copy = rows * sum(widths)
-        copies = max(1, min(layers, STEP_ARENA_BYTES // max(1, 4 * per_copy)))
+        copies = max(1, min(layers, self.cap_bytes // max(1, 4 * per_copy)))
         need = copies * per_copy
         if self._buf is None or self._buf.numel() < need:
             self._buf = torch.empty(need, dtype=torch.float32)

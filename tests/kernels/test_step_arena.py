@@ -13,7 +13,7 @@ def spans(copies):
 
 
 def test_a_decode_step_gets_a_copy_a_layer_none_overlapping():
-    arena = StepArena()
+    arena = StepArena(STEP_ARENA_BYTES)
     widths = [576, 576, 768, 1536, 576]  # SmolLM2: two norms, q/k rotated, SwiGLU, attention
     copies = arena.carve(30, widths, 64)
     assert len(copies) == 30 and all([tuple(b.shape) for b in c] == [(64, w) for w in widths] for c in copies)
@@ -26,7 +26,7 @@ def test_a_decode_step_gets_a_copy_a_layer_none_overlapping():
 
 
 def test_big_steps_get_fewer_copies_and_the_buffer_is_kept_between_steps():
-    arena = StepArena()
+    arena = StepArena(STEP_ARENA_BYTES)
     widths = [1024, 1024, 1280, 2816, 1024]  # the mid model
     per_copy = 4 * 512 * sum(widths)
     prefill = arena.carve(8, widths, 512)
