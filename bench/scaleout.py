@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=200, help="requests before each measured window")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=16, help="task threads per worker")
-    ap.add_argument("--memory-gb", type=float, default=0.0065)
+    ap.add_argument("--memory-gb", type=float, default=0.0069)
     ap.add_argument("--host-cache-mb", type=float, default=0.6)
     ap.add_argument("--workdir", default="/tmp/lorafleet-bench")
     ap.add_argument("--json", default=None, help="also write the figures here")

@@ -87,8 +87,17 @@ def adapter_pages(shape: ModelShape, rank: int, targets, block_size: int, packin
 
 
 # The CPU runner's copies of a step's small-op outputs, one a layer where they fit (kernels.cpu_native.StepArena): at
-# most this many bytes beyond the one copy the workspace below counts.
+# most this many bytes (step_arena_bytes: what a model's steps take of it).
 STEP_ARENA_BYTES = 32 << 20
+
+
+def step_arena_bytes(shape: ModelShape, max_batch_tokens: int) -> int:
+    """What the CPU runner's StepArena holds beyond the one copy of a step's small-op outputs that workspace_bytes
+    counts anyway: it keeps a copy a layer of them (two norms [T, h], q and k rotated [T, q + kv], SwiGLU's [T, I],
+    attention's [T, q]; fp32) within STEP_ARENA_BYTES, or one copy of the largest step where even that is more."""
+    s = shape
+    per_copy = 4 * int(max_batch_tokens) * (2 * s.hidden_size + 2 * s.q_dim + s.kv_dim + s.intermediate_size)
+    return max(per_copy, min(STEP_ARENA_BYTES, s.num_layers * per_copy)) - per_copy
 
 
 def workspace_bytes(shape: ModelShape, *, vocab_size: int, max_batch_tokens: int, max_running: int,
@@ -101,12 +110,12 @@ def workspace_bytes(shape: ModelShape, *, vocab_size: int, max_batch_tokens: int
     the LoRA shrink scratch (fp32 [T, r_max]), the logits of the sampled rows (fp32 [running, vocab])
     and the decode batch's gathered K and V (2 x kv_dim x running x context; the CPU runner gathers in
     ~2 MiB chunks, `chunked_decode`, so there it is 4 MiB), plus the RoPE tables (2 x context x head_dim); on
-    CPU (`chunked_decode`) also the small ops' per-layer copies (STEP_ARENA_BYTES)."""
+    CPU (`chunked_decode`) also the small ops' per-layer copies (step_arena_bytes)."""
     s, T = shape, int(max_batch_tokens)
     act = T * (2 * s.hidden_size + 2 * (s.q_dim + 2 * s.kv_dim) + s.q_dim + 3 * s.intermediate_size)
     act += 2 * int(max_context) * s.head_dim
     if chunked_decode:
-        return (act * dtype_bytes + (4 << 20) + STEP_ARENA_BYTES
+        return (act * dtype_bytes + (4 << 20) + step_arena_bytes(s, T)
                 + 4 * (T * max_lora_rank + int(max_running) * vocab_size))
     gather = 2 * s.kv_dim * int(max_running) * int(max_context)
     return (act + gather) * dtype_bytes + 4 * (T * max_lora_rank + int(max_running) * vocab_size)

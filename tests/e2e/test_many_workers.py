@@ -51,9 +51,10 @@ KILL_TRAFFIC_S = 40 if FULL else 14  # the failover phase; the kill comes at a t
 HEARTBEAT_S, HEARTBEAT_TTL_S = 1, 4  # fast failover for the test (defaults: 5 s and 15 s)
 pytestmark = pytest.mark.timeout(2400 if FULL else 900)  # 200 adapters to seed, 7 worker starts on 2 cores
 WORKER_ARGS = ("--concurrency", "16",
-               # the device pool: 82 pages of 8 KB beside the tiny base's weights and workspace, ~40 of these
-               # adapters (1-3 pages each) beside the KV blocks of 16 requests
-               "--memory-gb", "0.0065",
+               # the device pool: 82 pages of 8 KB beside the tiny base's weights and workspace (0.0004 GiB of it
+               # the CPU runner's per-layer copies of its small ops' outputs), ~40 of these adapters (1-3 pages
+               # each) beside the KV blocks of 16 requests
+               "--memory-gb", "0.0069",
                # parsed blobs kept in host memory: ~40 of these adapters (8-22 KB each)
                "--host-cache-mb", "0.6")
 
