@@ -386,7 +386,7 @@ class StepArena:
 
     __slots__ = ("_buf", "_carved", "cap_bytes")
 
-    def __init__(self, cap_bytes: int = 32 << 20) -> None:
+    def __init__(self, cap_bytes: int) -> None:
         self.cap_bytes = int(cap_bytes)
         self._buf: Any = None  # a torch tensor once a step has asked
         self._carved: dict[tuple, list[list]] = {}  # the last few steps' shapes, cut already
@@ -469,7 +469,7 @@ class StepKernels:
                    head_dim=head_dim, block_size=block_size, eps=eps, scale=scale, threads=threads, cos=cos,
                    sin_signed=sin_signed, write_rows=write_rows, layer_pages=layer_pages,
                    attend=(attend_blocks, attend_lens) if attend else None, layers=layers,
-                   arena=arena if arena is not None else StepArena())
+                   arena=arena if arena is not None else StepArena(0))  # 0: one copy, for this step
 
     def __init__(self, lib: ctypes.CDLL, *, rows: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
                  head_dim: int, block_size: int, eps: float, scale: float, threads: int, cos, sin_signed, write_rows,
@@ -478,10 +478,11 @@ class StepKernels:
         self.lib, self.T, self.hidden, self.inter = lib, rows, hidden, intermediate
         self.H, self.KV, self.hd, self.bs = heads, kv_heads, head_dim, block_size
         self.eps, self.scale, self.threads = float(eps), float(scale), int(threads)
-        # per copy: the two norms' outputs, q and k rotated, SwiGLU's output, the attention's output
+        # per copy: the two norms' outputs, q and k rotated, SwiGLU's output, the attention's output (the same widths
+        # as protocol.memory.step_arena_bytes counts in the workspace; kernels imports nothing of the project)
         widths = [hidden, hidden, (heads + kv_heads) * head_dim, intermediate] + ([heads * head_dim] if attend else [])
         self._copies = arena.carve(max(1, int(layers)), widths, rows)
-        self.y = True if attend is not None else None
+        self._attends = attend is not None
         self._cos, self._sin, self._rows = cos.data_ptr(), sin_signed.data_ptr(), write_rows.data_ptr()
         self._pages = [p.data_ptr() for p in layer_pages]
         self._page_stride, self._num_pages = layer_pages[0].stride(0), layer_pages[0].shape[0]
@@ -519,7 +520,7 @@ class StepKernels:
         its sequence's positions before it and its own (attend_lens): a decode token as decode attention does, a
         prompt token causally. None when `build` was given no attend tables or the shapes are beyond the
         kernel."""
-        if self.y is None:
+        if not self._attends:
             return None
         copy = self._copy(layer)
         y = copy[4]
