@@ -278,7 +278,7 @@ class Projection:
     `pack_rows`: oneDNN on the weight as stored (a tied LM head with pack_tied_head=False: the embedding table,
     which must stay a plain tensor for the token lookup, so packing it means a second copy). The output is an
     ordinary dense tensor, so LoRA's column views of fused outputs work as before. `native`: the weight packed
-    once into panels of 48 output columns for kernels.gemm (csrc/gemm_f32.h; AVX-512, or AVX2 and FMA), which
+    once into panels of 64 output columns (AVX2: 48) for kernels.gemm (csrc/gemm_f32.h; AVX-512, or AVX2 and FMA), which
     prefetches each panel while the one before it is multiplied: SmolLM2's projections and head at 64 rows ran
     267-270 GFLOP/s on it against packed oneDNN's 193-198 on the Intel Xeon host (bench/limits.py; the same at 512
     rows, ~290), and the base-only pass 1.17x (bench/peers.py --gemm-ab); on the AVX2 Zen 3 host 94.7 against

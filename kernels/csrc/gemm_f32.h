@@ -10,16 +10,25 @@
  * memory unless the panel was fetched ahead. Here each panel's row blocks prefetch the NEXT panel into L2, a line
  * at a time spread over the k steps; without that prefetch the same kernel ran at oneDNN's rate (226 against 312
  * GFLOP/s, paired, same process).
- * Layout (gemm_pack_f32): panels of GEMM_NR = 48 output columns; panel p (columns p*48 ...) is the [K, 48] block
- * W[p*48 : p*48 + 48, :]^T, row-major, at wp + p*48*K. The last panel is as wide as what remains rounded up to 16,
- * zero-padded, so the buffer holds K * ceil16(N) floats.
- * Register block: GEMM_MR = 8 rows x 3 vectors of 16 = 24 zmm accumulators; per k, 3 weight loads and 8
- * broadcasts of x feed 24 FMAs. Each output element is one fp32 sum over k in order, then + bias, then + out (AVX2:
- * one such sum per chunk of K, each chunk's added to out in turn).
+ * Layout (gemm_pack_f32): panels of GEMM_NR output columns (AVX-512: 64, AVX2: 48); panel p (columns p*NR ...) is
+ * the [K, NR] block W[p*NR : p*NR + NR, :]^T, row-major, at wp + p*NR*K. The last panel is as wide as what remains
+ * rounded up to 16, zero-padded, so the buffer holds K * ceil16(N) floats.
+ * Register block (AVX-512): GEMM_MR = 7 rows x 4 vectors of 16 = 28 zmm accumulators, the 4 weight vectors of a k
+ * step in the other 4 registers and x's 7 values as embedded broadcasts ({1to16}) of the FMAs: per k, 4 weight loads
+ * and 7 broadcasts feed 28 FMAs. The block used to be 8 rows x 3 vectors (24 accumulators, 8 broadcasts per 24
+ * FMAs); on the Zen 4 EPYC host (2026-12-06, /tmp A/B of the two builds in one process, the models' shapes over
+ * one distinct weight a layer) 7 x 4 took 0.926-0.952 of the time at 64 rows and 0.907-0.929 at 576 on mid's
+ * shapes, 0.976-0.989 and 0.947-0.973 on SmolLM2's; 6 x 4 0.94-1.0 / 0.91-0.99, 5 x 5 0.97 / 0.95, 4 x 6 and 3 x 8
+ * (fewer broadcasts, more loads) 1.11-1.19. Each output element is one fp32 sum over k in order, then + bias, then
+ * + out (AVX2: one such sum per chunk of K, each chunk's added to out in turn).
  * AVX2 with FMA (no AVX-512) takes the same panels in 16-column strips, 6 rows x 2 ymm a block (below). Without
  * either the entry points say so (gemm_f32_available() == 0) and the runner keeps oneDNN. */
 
-#define GEMM_NV 3                 /* 16-float vectors per panel */
+#if defined(__AVX512F__)
+#define GEMM_NV 4                 /* 16-float vectors per panel */
+#else
+#define GEMM_NV 3
+#endif
 #define GEMM_NR (16 * GEMM_NV)    /* output columns per panel */
 #define GEMM_M_CHUNK 1024         /* rows per pass over the weights (a prefill chunk of 512 and the decode batch in one) */
 
@@ -90,7 +99,7 @@ static gemm_side gemm_side_at(const char *base, const int64_t *ranges, int64_t n
 
 #if defined(__AVX512F__)
 #define GEMM_NATIVE 1
-#define GEMM_MR 8                 /* rows per register block */
+#define GEMM_MR 7                 /* rows per register block */
 #define GEMM_KC (1 << 30)         /* K in one pass (L2 holds a panel of the widest K here) */
 int gemm_f32_available(void) { return 1; }
 
@@ -137,7 +146,6 @@ static inline __attribute__((always_inline)) void gemm_block(
 #define GEMM_BLOCK_ARGS K, x, ldx, b, out, ldo, bias, acc, last, pf, pf_lines, side
 #define GEMM_ROWS(NV)                                                                       \
     switch (mr) {                                                                           \
-        case 8: gemm_block(GEMM_BLOCK_ARGS, 8, NV); break;                                  \
         case 7: gemm_block(GEMM_BLOCK_ARGS, 7, NV); break;                                  \
         case 6: gemm_block(GEMM_BLOCK_ARGS, 6, NV); break;                                  \
         case 5: gemm_block(GEMM_BLOCK_ARGS, 5, NV); break;                                  \
@@ -153,9 +161,12 @@ static void gemm_rows(int64_t K, const float *x, int64_t ldx, const float *b, fl
                       int mr) {
     const int nv = (int)((nw + 15) / 16);
     const __mmask16 last = nw % 16 ? (__mmask16)((1u << (nw % 16)) - 1) : (__mmask16)0xFFFF;
-    if (nv == 3) { GEMM_ROWS(3) }
-    else if (nv == 2) { GEMM_ROWS(2) }
-    else { GEMM_ROWS(1) }
+    switch (nv) {
+        case 4: GEMM_ROWS(4) break;
+        case 3: GEMM_ROWS(3) break;
+        case 2: GEMM_ROWS(2) break;
+        default: GEMM_ROWS(1) break;
+    }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2 (16 ymm registers): the same panels, each taken as its 16-column strips (one cache line per k step); a

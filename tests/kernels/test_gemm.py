@@ -27,18 +27,18 @@ def close(got, want, k):
     assert err <= 2e-6 * k ** 0.5 * max(1.0, want.abs().max().item() if want.numel() else 1.0), err
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 8, 9, 12, 15, 17, 64, 65, 512])  # blocks of 8 (AVX-512), 6 (AVX2)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 8, 9, 12, 13, 14, 15, 17, 64, 65, 512])  # blocks of 7 (AVX-512), 6 (AVX2)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_row_block_tail_matches_the_reference(m, threads):
     g = torch.Generator().manual_seed(m)
-    k, n = 96, 112  # two panels: one of 48 columns, one of 64 left -> 48 + 16
+    k, n = 96, 112  # two panels: AVX-512 64 + 48 (3 vectors), AVX2 48 + 64 left -> 48 + 16
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
     got = gemm(x, gemm_pack(w), n, threads=threads)
     assert got.shape == (m, n) and got.is_contiguous()
     close(got, reference(x, w), k)
 
 
-@pytest.mark.parametrize("n", [1, 5, 12, 16, 33, 40, 47, 48, 49, 95, 100, 960, 3072])
+@pytest.mark.parametrize("n", [1, 5, 12, 16, 33, 40, 47, 48, 49, 63, 64, 65, 95, 100, 127, 128, 960, 3072])
 def test_output_widths_ending_mid_panel_and_mid_vector(n):
     g = torch.Generator().manual_seed(n)
     k = 576
