@@ -91,6 +91,9 @@ static inline float hsum8(__m256 v) {
 #if defined(__AVX2__) && defined(__FMA__)
 #define ROWS8(p) _mm256_loadu_ps(p)
 #endif
+#if defined(__AVX512F__) && !defined(SEGMENT_LONG_AVX2)  /* -DSEGMENT_LONG_AVX2: the 8-wide paths, for A/Bs */
+#define ROWS16 1  /* fp32 weights on AVX-512: a prompt's segments take the 16-wide blocks (sgmv_units.h) */
+#endif
 #define SFX(name) name##_f32
 #include "sgmv_units.h"
 #define WT uint16_t

@@ -283,6 +283,132 @@ static int64_t SFX(expand_long)(const float *y, int64_t sy, const WT *b, int64_t
 }
 #endif
 
+#if defined(ROWS16)
+/* fp32 weights on AVX-512, a segment of 3 or more tokens (a prompt's, or a popular adapter's in a decode step): the
+ * shrink and the expand as register-blocked small GEMMs on 16-float vectors. The 8-wide paths above ran a
+ * 512-token prefill chunk's LoRA term (SmolLM2's fleet, bench/lora_step.py --prefill) at 75 ms cached against 81 ms
+ * from DRAM on the Zen 4 host: bound by their arithmetic (2 x-vector and weight loads per FMA pair for the shrink,
+ * 4 broadcasts and 4 loads per 16 ymm FMAs for the expand), not by the 322 MB they read.
+ *
+ * Shrink: R = 4 rows of A x NT = 6 tokens, 24 zmm accumulators; per 16 k, 4 loads of A and 6 of x feed 24 FMAs;
+ * each sum is reduced once at the end. [pf, pf_end): the segment's B, a line a step, as in shrink_block. */
+static inline __attribute__((always_inline)) void SFX(shrink_block16)(const float *x, int64_t sx, const WT *ar,
+        int64_t sar, const int R, const int NT, float *y, int64_t sy, int64_t d_in, const char **pf,
+        const char *pf_end) {
+    __m512 acc[4][6];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= d_in; k += 16) {
+        __m512 a[4];
+        for (int r = 0; r < R; r++) a[r] = _mm512_loadu_ps(ar + r * sar + k);
+        if (*pf < pf_end) {
+            __builtin_prefetch(*pf);
+            *pf += 64;
+        }
+        for (int t = 0; t < NT; t++) {
+            const __m512 xv = _mm512_loadu_ps(x + t * sx + k);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(a[r], xv, acc[r][t]);
+        }
+    }
+    if (k < d_in) {  /* the last d_in % 16 columns, masked */
+        const __mmask16 m = (__mmask16)((1u << (d_in - k)) - 1);
+        __m512 a[4];
+        for (int r = 0; r < R; r++) a[r] = _mm512_maskz_loadu_ps(m, ar + r * sar + k);
+        for (int t = 0; t < NT; t++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, x + t * sx + k);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(a[r], xv, acc[r][t]);
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        for (int r = 0; r < R; r++) y[t * sy + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+#define SHRINK16_ROWS(NT)                                                                                       \
+    {                                                                                                           \
+        int j = 0;                                                                                              \
+        for (; j + 4 <= nrows; j += 4)                                                                          \
+            SFX(shrink_block16)(xt, sx, arows + j * sar, sar, 4, (NT), y + t0 * sy + j, sy, d_in, &pf, pf_end); \
+        for (; j < nrows; j++)                                                                                  \
+            SFX(shrink_block16)(xt, sx, arows + j * sar, sar, 1, (NT), y + t0 * sy + j, sy, d_in, &pf, pf_end); \
+    }
+static void SFX(shrink_long16)(const float *x, int64_t sx, const WT *arows, int64_t sar, int nrows, float *y,
+                               int64_t sy, int64_t len, int64_t d_in, const char *pf, const char *pf_end) {
+    for (int64_t t0 = 0; t0 < len; t0 += 6) {
+        const float *xt = x + t0 * sx;
+        switch ((int)min64(6, len - t0)) {
+            case 6: SHRINK16_ROWS(6) break;
+            case 5: SHRINK16_ROWS(5) break;
+            case 4: SHRINK16_ROWS(4) break;
+            case 3: SHRINK16_ROWS(3) break;
+            case 2: SHRINK16_ROWS(2) break;
+            default: SHRINK16_ROWS(1) break;
+        }
+    }
+}
+#undef SHRINK16_ROWS
+
+/* Expand: NT = 4 tokens x C = 6 vectors (96 output columns), 24 zmm accumulators over every rank row (4 broadcasts
+ * of y and 6 loads of B feed 24 FMAs), added to out once: out += scale * acc, as expand_cols does. A column tile's
+ * rank rows (r x 96 floats) stay in L1 while the segment's token blocks run over them. `m`: the lanes of the last
+ * vector that are stored (a tile ending mid-vector). */
+static inline __attribute__((always_inline)) void SFX(expand_cols16)(const float *y, int64_t sy, const WT *b,
+        int64_t sbr, int rank, float *out, int64_t so, const int NT, const int C, int64_t c, float scale,
+        __mmask16 m) {
+    __m512 acc[4][6];
+    for (int t = 0; t < NT; t++)
+        for (int k = 0; k < C; k++) acc[t][k] = _mm512_setzero_ps();
+    for (int j = 0; j < rank; j++) {
+        const WT *bj = b + j * sbr + c;
+        __m512 q[6];
+        for (int k = 0; k < C; k++) q[k] = _mm512_maskz_loadu_ps(k == C - 1 ? m : (__mmask16)0xFFFF, bj + 16 * k);
+        for (int t = 0; t < NT; t++) {
+            const __m512 yv = _mm512_set1_ps(y[t * sy + j]);
+            for (int k = 0; k < C; k++) acc[t][k] = _mm512_fmadd_ps(yv, q[k], acc[t][k]);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int t = 0; t < NT; t++)
+        for (int k = 0; k < C; k++) {
+            const __mmask16 mk = k == C - 1 ? m : (__mmask16)0xFFFF;
+            float *o = out + t * so + c + 16 * k;
+            _mm512_mask_storeu_ps(o, mk, _mm512_fmadd_ps(sc, acc[t][k], _mm512_maskz_loadu_ps(mk, o)));
+        }
+}
+
+#define EXPAND16_TOKENS(C)                                                                                       \
+    {                                                                                                            \
+        int64_t t = 0;                                                                                           \
+        for (; t + 4 <= len; t += 4) SFX(expand_cols16)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 4, (C), c, scale, m); \
+        switch ((int)(len - t)) {                                                                                \
+            case 3: SFX(expand_cols16)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 3, (C), c, scale, m); break; \
+            case 2: SFX(expand_cols16)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 2, (C), c, scale, m); break; \
+            case 1: SFX(expand_cols16)(y + t * sy, sy, b, sbr, rank, out + t * so, so, 1, (C), c, scale, m); break; \
+            default: break;                                                                                      \
+        }                                                                                                        \
+    }
+/* Every column of a segment of len > 2 tokens: tiles of 96 columns, then one of the 1-5 vectors left (its last
+ * masked where ncols % 16 != 0). */
+static void SFX(expand_long16)(const float *y, int64_t sy, const WT *b, int64_t sbr, int rank, float *out,
+                               int64_t so, int64_t len, int64_t ncols, float scale) {
+    int64_t c = 0;
+    __mmask16 m = (__mmask16)0xFFFF;
+    for (; c + 96 <= ncols; c += 96) EXPAND16_TOKENS(6)
+    if (c < ncols) {
+        const int64_t left = ncols - c;
+        if (left % 16) m = (__mmask16)((1u << (left % 16)) - 1);
+        switch ((int)((left + 15) / 16)) {
+            case 5: EXPAND16_TOKENS(5) break;
+            case 4: EXPAND16_TOKENS(4) break;
+            case 3: EXPAND16_TOKENS(3) break;
+            case 2: EXPAND16_TOKENS(2) break;
+            default: EXPAND16_TOKENS(1) break;
+        }
+    }
+}
+#undef EXPAND16_TOKENS
+#endif
+
 /* One segment: its shrink into y, then its expand into out. */
 static void SFX(run_segment)(const void *args, int64_t g) {
     const sgmv_args *p = (const sgmv_args *)args;
@@ -292,6 +418,18 @@ static void SFX(run_segment)(const void *args, int64_t g) {
     float *y = p->y + start * p->sy;  /* [len, >= rank] scratch rows of this segment */
     const WT *b = w + p->b_offs[slot];
     float *out = p->out + start * p->so;
+#if defined(ROWS16)
+    if (len > 2) {
+#ifndef AB_SKIP_SHRINK
+        SFX(shrink_long16)(p->x + start * p->sx, p->sx, w + p->a_offs[slot], p->d_in, rank, y, p->sy, len, p->d_in,
+                           (const char *)b, (const char *)(b + (size_t)rank * (size_t)p->d_out));
+#endif
+#ifndef AB_SKIP_EXPAND
+        SFX(expand_long16)(y, p->sy, b, p->d_out, rank, out, p->so, len, p->d_out, p->scales[slot]);
+#endif
+        return;
+    }
+#endif
     SFX(shrink_unit)(p->x + start * p->sx, p->sx, w + p->a_offs[slot], p->d_in, rank, y, p->sy, len, p->d_in,
                      (const char *)b, (const char *)(b + (size_t)rank * (size_t)p->d_out));
     int64_t c = 0;  /* columns done */
@@ -311,3 +449,4 @@ static void SFX(run_segment)(const void *args, int64_t g) {
 #undef SFX
 #undef VEC8
 #undef ROWS8
+#undef ROWS16

@@ -139,6 +139,25 @@ def test_a_single_token_with_the_largest_rank(aligned):
         assert_close_scaled(add_lora(fused.clone(), x, buffer, table, mapping, scales, backend=backend), expected)
 
 
+@pytest.mark.parametrize(("d_in", "d_out"), [(576, 576), (576, 192), (37, 100), (1536, 200), (64, 1040)])
+def test_prompt_segments_on_real_widths(d_in, d_out):
+    """The CPU path's long-segment blocks (AVX-512: 4 rows x 6 tokens for the shrink, 4 tokens x 96 columns for the
+    expand) on projection widths the random layouts stay below: whole 96-column tiles, a tile of 1-5 vectors after
+    them ending mid-vector, d_in short of a 16-float vector, prompt segments of every token-block tail and ranks
+    that are not multiples of the row block, beside decode segments of 1 and 2 tokens."""
+    runs = [(0, 38), (1, 1), (2, 13), (3, 2), (4, 7), (1, 3), (0, 5)]
+    slots = [s for s, n in runs for _ in range(n)]
+    case = Case(slots, [8, 5, 32, 1, 19], d_in, d_out, torch.float32, d_in + d_out, False, (3, 5))
+    buffer, table, x, scales, fused = make_inputs(case)
+    mapping = LoraMapping.build(torch.tensor(case.slots, dtype=torch.int32), len(case.ranks))
+    expected = add_lora_reference(out_of(fused.clone(), case).clone(), x, buffer, table, mapping, scales)
+    got = fused.clone()
+    add_lora(out_of(got, case), x, buffer, table, mapping, scales, backend="cpu")
+    assert_close_scaled(out_of(got, case), expected)
+    assert_bits_equal(got[:, :3], fused[:, :3])  # the fused output's columns either side are left alone
+    assert_bits_equal(got[:, 3 + d_out:], fused[:, 3 + d_out:])
+
+
 def test_the_reference_reads_each_matrix_where_the_table_says():
     """The oracle itself, against plain matmuls on the matrices before they were packed."""
     g = torch.Generator().manual_seed(7)
