@@ -350,10 +350,40 @@ static void gemm_unit(const void *vp, int64_t u) {
     }
 }
 
+/* Unit u of a row split: row blocks [u * blocks / units, (u + 1) * blocks / units) against every panel, front to
+ * back, each prefetching the next. Taken where the panels do not share out evenly over the threads and the row
+ * blocks share out better (gemm_split_rows): SmolLM2's o and down projections (N 576) are 9 panels of 64 columns,
+ * so of two threads one would multiply a panel more than the other while that one waited. Each thread then reads
+ * every panel (the weights' reads twice over, cheap where a panel serves hundreds of rows). On the Zen 4 host
+ * (2026-12-06, builds alternating in one process, SmolLM2's shapes over 30 weights each) a 576-row prefill step's
+ * GEMMs took 0.965-0.973 of the panel split's time; at the decode batch (64 rows) 0.99-1.00, so it is left to
+ * row counts of at least 8 blocks a thread. Unit 0 carries the side stream, spread over its own calls. */
+static void gemm_row_unit(const void *vp, int64_t u) {
+    const gemm_args *a = (const gemm_args *)vp;
+    const int64_t blocks = (a->M + GEMM_MR - 1) / GEMM_MR, panels = (a->N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t r0 = u * blocks / a->units * GEMM_MR, r1 = min64((u + 1) * blocks / a->units * GEMM_MR, a->M);
+    if (r0 >= r1) return;
+    gemm_args part = *a;
+    part.M = r1 - r0;
+    part.x = a->x + r0 * a->ldx;
+    part.out = a->out + r0 * a->ldo;
+    part.side_lines = u == 0 ? a->side_lines : 0;
+    part.side_calls = panels * ((part.M + GEMM_MR - 1) / GEMM_MR) * gemm_k_chunks(a->K);
+    for (int64_t p = 0; p < panels; p++) gemm_panel(&part, p, p + 1 < panels ? p + 1 : -1);
+}
+
+/* Whether `blocks` row blocks split over `th` threads keep them busier than `panels` panels do (each side's work
+ * over th x its largest share), where each thread gets at least 8 row blocks (gemm_row_unit says why). */
+static int gemm_split_rows(int64_t panels, int64_t blocks, int64_t th) {
+    if (th < 2 || panels % th == 0 || blocks < 8 * th) return 0;
+    return panels * ((blocks + th - 1) / th) < blocks * ((panels + th - 1) / th);
+}
+
 /* out[M, N] = x[M, K] @ W^T (+ bias[N]) (+ out when acc) with W packed by gemm_pack_f32; x's and out's rows
  * contiguous, ldx / ldo apart. The panels are split into `nthreads` contiguous runs, one per team thread,
- * which steal from each other's ends once their own is done (gemm_unit). side_ranges [side_n][2] (byte offset
- * from side_base, byte length), or NULL: memory to prefetch while multiplying (gemm_side). */
+ * which steal from each other's ends once their own is done (gemm_unit); where the panels do not share out evenly
+ * and the rows do, the rows are split instead (gemm_row_unit). side_ranges [side_n][2] (byte offset from side_base,
+ * byte length), or NULL: memory to prefetch while multiplying (gemm_side). */
 void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, const float *wp, const float *bias,
               float *out, int64_t ldo, int acc, int nthreads, const char *side_base, const int64_t *side_ranges,
               int64_t side_n) {
@@ -362,14 +392,17 @@ void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, cons
     for (int64_t i = 0; side_ranges && i < side_n; i++) side_lines += (side_ranges[2 * i + 1] + 63) / 64;
     /* spread over the first pass's calls (one pass over the weights up to GEMM_M_CHUNK rows) */
     const int64_t side_calls = panels * ((min64(GEMM_M_CHUNK, M) + GEMM_MR - 1) / GEMM_MR) * gemm_k_chunks(K);
-    const int64_t units = min64(min64(panels, nthreads > 1 ? nthreads : 1), GEMM_MAX_UNITS);
+    const int64_t th = min64(nthreads > 1 ? nthreads : 1, GEMM_MAX_UNITS);
     _Atomic uint64_t spans[GEMM_MAX_UNITS];
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_CHUNK) {
-        for (int64_t u = 0; u < units; u++)
+        const int64_t rows = min64(GEMM_M_CHUNK, M - m0);
+        const int by_rows = gemm_split_rows(panels, (rows + GEMM_MR - 1) / GEMM_MR, th);
+        const int64_t units = by_rows ? th : min64(panels, th);
+        for (int64_t u = 0; !by_rows && u < units; u++)
             atomic_init(&spans[u], ((uint64_t)((u + 1) * panels / units) << 32) | (uint64_t)(u * panels / units));
-        gemm_args a = {min64(GEMM_M_CHUNK, M - m0), K, N, ldx, ldo, units, x + m0 * ldx, wp, bias,
+        gemm_args a = {rows, K, N, ldx, ldo, units, x + m0 * ldx, wp, bias,
                        out + m0 * ldo, acc, side_base, side_ranges, side_n, m0 ? 0 : side_lines, side_calls, spans};
-        parallel_for_team(gemm_unit, &a, units, nthreads);
+        parallel_for_team(by_rows ? gemm_row_unit : gemm_unit, &a, units, nthreads);
     }
 }
 #else
