@@ -30,6 +30,11 @@ from .table import LoraTable
 
 LONG_SEGMENT = int(os.environ.get("LORAFLEET_CPU_LONG_SEGMENT", 1 << 30))  # tokens from which BLAS is used
 PARALLEL_BYTES = 1 << 20  # weight bytes from which the native kernel uses torch's thread count
+# ... or multiply-adds (tokens x rank x (d_in + d_out)): a batch on one adapter reads little but computes much. With
+# the bytes alone, SmolLM2's 64-token decode steps all on one adapter (~0.15 MB of weights a projection) ran their
+# LoRA term on one thread, 1.32-1.38 s a pass, slower than 29 adapters' 0.9-1.5 (bench/breakdown.py, Zen 4 host,
+# 2026-12-06); ~1M multiply-adds is ~20 us on one core, well above a parallel region's start.
+PARALLEL_MACS = 1 << 20
 
 Segments = tuple[tuple[int, int, int, int], ...]  # (start, end, slot, rank)
 
@@ -151,7 +156,8 @@ def _short_call(sgmv, cpu_plan, buffer: torch.Tensor, table: LoraTable, mapping:
     """The native call over the plan's short segments (all but x, out and the weight buffer's address)."""
     y = mapping.scratch(max(table.max_rank, 1))  # [T, >= every rank] fp32 scratch for the shrink
     weight_bytes = cpu_plan.short_rank_sum * (table.d_in + table.d_out) * buffer.element_size()
-    threads = torch.get_num_threads() if weight_bytes >= PARALLEL_BYTES else 1
+    macs = cpu_plan.short_token_ranks * (table.d_in + table.d_out)
+    threads = torch.get_num_threads() if weight_bytes >= PARALLEL_BYTES or macs >= PARALLEL_MACS else 1
     return NativeLoraCall(sgmv, (cpu_plan.num_short, *cpu_plan.short_ptrs), table.host_offset_ptrs,
                           (slot_scales.data_ptr(), y.data_ptr(), y.stride(0), table.d_in, table.d_out, threads),
                           (cpu_plan, y, slot_scales, table))

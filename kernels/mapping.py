@@ -24,6 +24,7 @@ class CpuPlan:
     short_segs: torch.Tensor  # int32 [4, num_short] CPU: starts, lens, slots, ranks (kept alive for the ptrs)
     short_ptrs: tuple[int, int, int, int]  # data pointers of short_segs' rows
     short_rank_sum: int  # sum of the ranks of the distinct slots among short segments (sizes the traffic)
+    short_token_ranks: int  # sum over short segments of tokens x rank (sizes the arithmetic)
     long_segments: tuple[tuple[int, int, int, int], ...]  # (start, end, slot, rank) handed to BLAS
 
 
@@ -59,6 +60,7 @@ class SegmentPlan:
                 short_segs=packed,
                 short_ptrs=(packed[0].data_ptr(), packed[1].data_ptr(), packed[2].data_ptr(), packed[3].data_ptr()),
                 short_rank_sum=sum({slot: r for _, _, slot, r in short}.values()),
+                short_token_ranks=sum((e - s) * r for s, e, _, r in short),
                 long_segments=tuple(seg for seg in self.segments if seg[1] - seg[0] >= long_segment),
             )
             self._cpu_plans[(long_segment, chunk)] = plan

@@ -158,6 +158,25 @@ def test_prompt_segments_on_real_widths(d_in, d_out):
     assert_bits_equal(got[:, 3 + d_out:], fused[:, 3 + d_out:])
 
 
+@pytest.mark.parametrize("tokens", [17, 64, 576])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_batch_on_one_adapter_is_shared_by_the_threads(tokens, threads):
+    """Every token on one adapter (one segment): the CPU plan cuts it into chunks of 16 tokens, which the threads
+    share once the work is large enough (kernels/cpu.py, PARALLEL_MACS) though the weights are small; each chunk's
+    rows of y and out its own. The result is the reference's: no row skipped or added twice."""
+    case = Case([0] * tokens, [24], 96, 200, torch.float32, tokens + threads, False, (0, 0))
+    buffer, table, x, scales, fused = make_inputs(case)
+    mapping = LoraMapping.build(torch.tensor(case.slots, dtype=torch.int32), 1)
+    expected = add_lora_reference(fused.clone(), x, buffer, table, mapping, scales)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = add_lora(fused.clone(), x, buffer, table, mapping, scales, backend="cpu")
+    finally:
+        torch.set_num_threads(before)
+    assert_close_scaled(got, expected)
+
+
 def test_the_reference_reads_each_matrix_where_the_table_says():
     """The oracle itself, against plain matmuls on the matrices before they were packed."""
     g = torch.Generator().manual_seed(7)
