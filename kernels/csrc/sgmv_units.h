@@ -420,13 +420,9 @@ static void SFX(run_segment)(const void *args, int64_t g) {
     float *out = p->out + start * p->so;
 #if defined(ROWS16)
     if (len > 2) {
-#ifndef AB_SKIP_SHRINK
         SFX(shrink_long16)(p->x + start * p->sx, p->sx, w + p->a_offs[slot], p->d_in, rank, y, p->sy, len, p->d_in,
                            (const char *)b, (const char *)(b + (size_t)rank * (size_t)p->d_out));
-#endif
-#ifndef AB_SKIP_EXPAND
         SFX(expand_long16)(y, p->sy, b, p->d_out, rank, out, p->so, len, p->d_out, p->scales[slot]);
-#endif
         return;
     }
 #endif
