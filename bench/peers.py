@@ -280,7 +280,8 @@ class Lorafleet:
 
     def __init__(self, w: Workload, packed_weights: bool | None = None, adapter_dtype=None,
                  pack_tied_head: bool | None = None, step_kernels: bool | None = None,
-                 huge_pages: bool | None = None, native_gemm: bool | None = None, lora_prefetch: bool | None = None):
+                 huge_pages: bool | None = None, native_gemm: bool | None = None, lora_prefetch: bool | None = None,
+                 fuse_lora: bool | None = None):
         import hashlib
 
         from bench.engine import ALL_TARGETS
@@ -307,6 +308,8 @@ class Lorafleet:
             kw["adapter_dtype"] = adapter_dtype
         if pack_tied_head is not None:
             kw["pack_tied_head"] = pack_tied_head
+        if fuse_lora is not None:
+            kw["fuse_lora"] = fuse_lora
         if step_kernels is not None:
             kw["step_kernels"] = step_kernels
         if huge_pages is not None:
@@ -678,6 +681,15 @@ def lora_prefetch_ab(name: str, workdir: Path, rounds: int) -> dict:
     return _alternating(w, engines, rounds, "adapter matrices prefetched during the GEMMs vs not")
 
 
+def fused_lora_ab(name: str, workdir: Path, rounds: int) -> dict:
+    """lorafleet with a decode step's LoRA term inside the native GEMMs (kernels.gemm_lora, the default) against the
+    GEMM then one LoRA call a projection (fuse_lora=False), base-only and fleet, passes alternating; best of
+    `rounds`."""
+    w = WORKLOADS[name](workdir)
+    engines = {"fused": Lorafleet(w, fuse_lora=True), "after": Lorafleet(w, fuse_lora=False)}
+    return _alternating(w, engines, rounds, "the decode LoRA term inside the GEMMs vs after them")
+
+
 def tied_head_ab(name: str, workdir: Path, rounds: int) -> dict:
     """lorafleet with a tied LM head packed into a copy for oneDNN (the default) against oneDNN on the embedding
     table as stored (pack_tied_head=False), base-only and fleet, passes alternating; best of `rounds`."""
@@ -768,6 +780,8 @@ def run_main(argv: list[str]) -> None:
                     help="only lorafleet: adapters stored in fp32 vs the 16-bit adapter pool (fp16, bf16)")
     ap.add_argument("--lora-prefetch-ab", action="store_true",
                     help="only lorafleet: the GEMMs prefetching the step's adapter matrices for the LoRA calls vs not")
+    ap.add_argument("--fused-lora-ab", action="store_true",
+                    help="only lorafleet: a decode step's LoRA term inside the native GEMMs vs a call after each")
     ap.add_argument("--tied-head-ab", action="store_true",
                     help="only lorafleet: a tied LM head packed into a copy vs oneDNN on the table as stored")
     ap.add_argument("--step-kernels-ab", action="store_true",
@@ -779,10 +793,10 @@ def run_main(argv: list[str]) -> None:
           f"{torch.__version__}, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', 'default')}; load average {load():.1f}", flush=True)
     if (args.packing_ab or args.adapter_dtype_ab or args.tied_head_ab or args.step_kernels_ab or args.gemm_ab
-            or args.lora_prefetch_ab):
+            or args.lora_prefetch_ab or args.fused_lora_ab):
         ab = (packing_ab if args.packing_ab else gemm_ab if args.gemm_ab else tied_head_ab if args.tied_head_ab
               else step_kernels_ab if args.step_kernels_ab else lora_prefetch_ab if args.lora_prefetch_ab
-              else adapter_dtype_ab)
+              else fused_lora_ab if args.fused_lora_ab else adapter_dtype_ab)
         out = [ab(name, workdir, args.rounds) for name in args.workloads.split(",")]
         print(f"load average at end {load():.1f}")
         if args.json:

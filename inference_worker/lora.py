@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import HALF_WEIGHTS, LoraMapping, LoraTable, add_lora, repeatable_lora_call
-from kernels.cpu import NativeLoraCall
+from kernels.cpu import FusedLoraGroup, NativeLoraCall
 from protocol.lora_layout import TARGET_MODULES, ModelShape, parse_peft_name
 from protocol.memory import adapter_layout, adapter_pages
 
@@ -269,6 +269,21 @@ class StepLora:
         self.residents = residents  # the step's adapters, in the order its segments read them
         # proj -> the native call every later layer repeats (kernels.cpu.NativeLoraCall), or None: the checked path
         self._calls: dict[str, NativeLoraCall | None] = {}
+        # GEMM group -> its term fused into the GEMM (kernels.FusedLoraGroup), or None: GEMM, then `add` per projection
+        self._fused: dict[str, FusedLoraGroup | None] = {}
+
+    def fused(self, group: str) -> FusedLoraGroup | None:
+        """The step's LoRA term of a GEMM group's projections (GEMM_GROUPS) for `kernels.gemm_lora`, built on the first
+        layer's call and reused by every later layer; None where that call does not cover the step
+        (kernels.FusedLoraGroup.build) or no adapter of the step targets the group."""
+        if group not in self._fused:
+            parts, col = [], 0
+            for proj in GEMM_GROUPS[group]:
+                if proj in self.targeted:
+                    parts.append((col, self.lora.tables[proj]))
+                col += self.lora.projections[proj][1]
+            self._fused[group] = FusedLoraGroup.build(parts, self.mapping, self.lora.dtype, self.lora.scales)
+        return self._fused[group]
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """out += LoRA term of proj at layer. out: [T, d_out] (a column view is fine), x: [T, d_in].

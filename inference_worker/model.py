@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kernels import GemmSide, StepArena, StepKernels, gemm_available, gemm_side_helps, paged_decode_attention, rope_kv_write
 from kernels import gemm as native_gemm
+from kernels import gemm_lora as native_gemm_lora
 from kernels import gemm_pack as native_gemm_pack
 from kernels import rms_norm as native_rms_norm
 from protocol.lora_layout import ModelShape
@@ -241,6 +242,7 @@ class StepContext:
     lora: StepLora | None
     native: StepKernels | None = None  # CPU fp32: the layers' small ops on buffers allocated once for the step
     sides: StepSides | None = None  # what the native GEMMs prefetch for the calls after them
+    fuse_lora: bool = False  # a decode step: the LoRA term runs inside the native GEMMs (Projection.with_lora)
 
 
 def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -313,6 +315,13 @@ class Projection:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def with_lora(self, x: torch.Tensor, lora, buffer_ptr: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T + b (+ out, in place, when given) plus the LoRA term of the projections this GEMM computes, in one
+        native call (kernels.gemm_lora; `lora` a kernels.FusedLoraGroup, buffer_ptr the layer's adapter buffer).
+        Native GEMM only; x and out with contiguous rows."""
+        return native_gemm_lora(x, self.weight, self.out_features, self.bias, out, lora, buffer_ptr,
+                                threads=torch.get_num_threads())
+
     def add_to(self, out: torch.Tensor, x: torch.Tensor, side: tuple[int, int, int] | None = None) -> torch.Tensor:
         """out + x @ W^T + b, the residual add fused into the GEMM: oneDNN's binary-add post-op (a new tensor),
         or BLAS beta = 1 into `out` in place (and the native GEMM too). Use the returned tensor."""
@@ -330,6 +339,10 @@ class Projection:
 
 
 def _no_side(layer: int, group: str) -> None:
+    return None
+
+
+def _not_fused(group: str) -> None:
     return None
 
 
@@ -366,17 +379,23 @@ class Block:
         cfg, lora, layer, native = self.cfg, ctx.lora, self.layer, ctx.native
         T = x.shape[0]
         side = ctx.sides.at if ctx.sides is not None else _no_side  # what each GEMM prefetches (StepSides)
+        # a decode step's LoRA term inside each GEMM (kernels.gemm_lora), or None: the GEMM, then lora.add
+        fused = lora.fused if lora is not None and ctx.fuse_lora else _not_fused
+        buffers = lora.lora.buffer_ptrs if lora is not None else []  # each layer's adapter buffer, for the fused calls
         # --- attention ---
         if native is not None:  # [T, hidden]
             h = native.norm(x, self.input_norm, layer)
         else:
             h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = self.qkv(h, side(layer, "qkv"))  # [T, q_dim + 2 kv_dim]
         q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
-        if lora is not None:
-            lora.add(qkv[:, :q_end], h, layer, "q_proj")
-            lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
-            lora.add(qkv[:, k_end:], h, layer, "v_proj")
+        if (f := fused("qkv")) is not None:
+            qkv = self.qkv.with_lora(h, f, buffers[layer])
+        else:
+            qkv = self.qkv(h, side(layer, "qkv"))  # [T, q_dim + 2 kv_dim]
+            if lora is not None:
+                lora.add(qkv[:, :q_end], h, layer, "q_proj")
+                lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
+                lora.add(qkv[:, k_end:], h, layer, "v_proj")
         # q and k rotated in one go: [T, H + KV, hd]; the rotated keys and the values stored in the KV cache
         kv = self.runner.kv
         qk = None
@@ -395,26 +414,35 @@ class Block:
             y = self.attend(q, k, v, ctx)  # [T, q_dim]
         # Residual adds fused into the GEMMs (x + y @ W_o^T): no [T, hidden] temporary and no separate add pass.
         # x is this forward's own activation (never a weight).
-        x = self.o.add_to(x, y, side(layer, "o"))
-        if lora is not None:
-            lora.add(x, y, layer, "o_proj")
+        if (f := fused("o")) is not None and x.stride(1) == 1 and y.stride(1) == 1:
+            x = self.o.with_lora(y, f, buffers[layer], x)
+        else:
+            x = self.o.add_to(x, y, side(layer, "o"))
+            if lora is not None:
+                lora.add(x, y, layer, "o_proj")
         # --- MLP ---
         if native is not None:
             h = native.norm(x, self.post_norm, layer, post=True)
         else:
             h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        gu = self.gate_up(h, side(layer, "gate_up"))  # [T, 2 * intermediate]
         inter = cfg.intermediate_size
-        if lora is not None:
-            lora.add(gu[:, :inter], h, layer, "gate_proj")
-            lora.add(gu[:, inter:], h, layer, "up_proj")
+        if (f := fused("gate_up")) is not None:
+            gu = self.gate_up.with_lora(h, f, buffers[layer])
+        else:
+            gu = self.gate_up(h, side(layer, "gate_up"))  # [T, 2 * intermediate]
+            if lora is not None:
+                lora.add(gu[:, :inter], h, layer, "gate_proj")
+                lora.add(gu[:, inter:], h, layer, "up_proj")
         if native is not None:
             a = native.swiglu(gu, layer)  # [T, intermediate]
         else:
             a = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-        x = self.down.add_to(x, a, side(layer, "down"))  # x + a @ W_down^T
-        if lora is not None:
-            lora.add(x, a, layer, "down_proj")
+        if (f := fused("down")) is not None and x.stride(1) == 1 and a.stride(1) == 1:
+            x = self.down.with_lora(a, f, buffers[layer], x)
+        else:
+            x = self.down.add_to(x, a, side(layer, "down"))  # x + a @ W_down^T
+            if lora is not None:
+                lora.add(x, a, layer, "down_proj")
         return x
 
     def attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -490,7 +518,8 @@ class ModelRunner:
                  max_running: int = 64, max_batch_tokens: int | None = None, fixed_lora_slots: int = 0,
                  packed_weights: bool | None = None, adapter_dtype: torch.dtype | None = None,
                  pack_tied_head: bool | None = None, step_kernels: bool = True, huge_pages: bool = True,
-                 native_gemm: bool | None = None, lora_prefetch: bool | None = None) -> None:
+                 native_gemm: bool | None = None, lora_prefetch: bool | None = None,
+                 fuse_lora: bool | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -530,6 +559,15 @@ class ModelRunner:
         # bench/peers.py --lora-prefetch-ab); an attribute, so an A/B can flip it between passes. None: where it was
         # measured to help (kernels.gemm_side_helps: AMD CPUs; on an Intel Xeon it cost the fleet 11%).
         self.lora_side_prefetch = gemm_side_helps() if lora_prefetch is None else lora_prefetch
+        # A decode step's LoRA term inside the native GEMMs (kernels.gemm_lora: every segment's shrink first, then
+        # each panel's expand right after the panel, its slices of B fetched while the panel multiplies) instead of a
+        # call after each GEMM; fp32 adapters only. None: where the side stream above is not on by default (measured
+        # on an Intel Xeon, 2026-12-06: the fleet pass 1.02x, median of 5 rounds, on both workloads; a SmolLM2 decode
+        # step's LoRA cost 27 -> 22 ms; bench/RESULTS.md), the side stream's hosts keep it until measured there.
+        # False keeps the calls after (A/B: bench/peers.py --fused-lora-ab); an attribute, as above.
+        if fuse_lora is None:
+            fuse_lora = not gemm_side_helps()
+        self.fuse_lora = bool(fuse_lora and native_gemm)
         # Decode attention on CPU in fp32 reads K/V in place from the pages (kernels/csrc/sgmv_cpu.c) instead of
         # gathering them for SDPA; False (or LORAFLEET_KERNELS_NATIVE=0, or no C compiler) keeps the gather.
         self.native_attention = self.device.type == "cpu" and self.dtype == torch.float32
@@ -797,11 +835,14 @@ class ModelRunner:
                 attend_blocks=attend_blocks, attend_lens=attend_lens, scale=1.0 / math.sqrt(cfg.head_dim),
                 threads=torch.get_num_threads(), layers=cfg.num_layers, arena=self._step_arena)
         sides = None
-        if self.native_gemm and self.lora_side_prefetch and lora is not None:
+        # decode steps only: a prompt's GEMMs split their rows where the panels do not share out (gemm_f32), and its
+        # LoRA term is bound by arithmetic, not by reads the GEMM could hide
+        fuse_lora = bool(self.fuse_lora and lora is not None and decode is not None and not prefill_specs)
+        if self.native_gemm and self.lora_side_prefetch and lora is not None and not fuse_lora:
             sides = StepSides({g: lora.lora.group_ranges(lora.residents, g) for g in GEMM_GROUPS},
                               lora.lora.buffer_ptrs)
         ctx = StepContext(cos=cos, sin=sin, write_rows=rows_t, decode=decode, prefills=prefills, lora=lora,
-                          native=native, sides=sides)
+                          native=native, sides=sides, fuse_lora=fuse_lora)
         return torch.tensor(tokens, dtype=torch.int64, device=dev), ctx, last
 
     def forward(self, steps: list[SeqStep]) -> torch.Tensor:

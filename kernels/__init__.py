@@ -7,9 +7,11 @@ A and B of one projection lie in a flat weight buffer, once per adapter load/evi
 the paged KV cache), `rms_norm`, `rope_kv_write`, `swiglu` and `argmax_rows` (CPU, fp32, one pass each), and `StepKernels`
 (those four with a step's shapes checked and its buffers allocated once for all layers), and `gemm_pack` / `gemm`
 (CPU, fp32, AVX-512 or AVX2: the projections' GEMM on weights packed once, prefetching what `GemmSide` names
-meanwhile; `gemm_available`, `gemm_side_helps`). Imports nothing of
+meanwhile; `gemm_available`, `gemm_side_helps`), and `gemm_lora` (the same GEMM with a decode step's LoRA term of
+its projections fused in, described by `FusedLoraGroup`). Imports nothing of
 the project. (Hugging Face publishes an unrelated PyPI package also named `kernels`; never install it here.)
 """
+from .cpu import FusedLoraGroup
 from .cpu_native import (
     GemmSide,
     StepArena,
@@ -17,6 +19,7 @@ from .cpu_native import (
     argmax_rows,
     gemm,
     gemm_available,
+    gemm_lora,
     gemm_pack,
     gemm_side_helps,
     paged_decode_attention,
@@ -28,6 +31,7 @@ from .dispatch import add_lora, lora_expand, lora_shrink, repeatable_lora_call
 from .mapping import LoraMapping
 from .table import HALF_WEIGHTS, LoraTable
 
-__all__ = ["HALF_WEIGHTS", "GemmSide", "StepArena", "StepKernels", "LoraMapping", "LoraTable", "add_lora", "argmax_rows", "gemm",
-           "gemm_available", "gemm_pack", "gemm_side_helps", "lora_expand", "lora_shrink",
-           "paged_decode_attention", "repeatable_lora_call", "rms_norm", "rope_kv_write", "swiglu"]
+__all__ = ["HALF_WEIGHTS", "FusedLoraGroup", "GemmSide", "StepArena", "StepKernels", "LoraMapping", "LoraTable",
+           "add_lora", "argmax_rows", "gemm", "gemm_available", "gemm_lora", "gemm_pack", "gemm_side_helps",
+           "lora_expand", "lora_shrink", "paged_decode_attention", "repeatable_lora_call", "rms_norm", "rope_kv_write",
+           "swiglu"]

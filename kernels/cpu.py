@@ -161,3 +161,55 @@ def _short_call(sgmv, cpu_plan, buffer: torch.Tensor, table: LoraTable, mapping:
     return NativeLoraCall(sgmv, (cpu_plan.num_short, *cpu_plan.short_ptrs), table.host_offset_ptrs,
                           (slot_scales.data_ptr(), y.data_ptr(), y.stride(0), table.d_in, table.d_out, threads),
                           (cpu_plan, y, slot_scales, table))
+
+
+class FusedLoraGroup:
+    """A decode step's LoRA term of one GEMM's projections (q, k and v of the fused q/k/v GEMM, gate and up, or the one
+    projection of o and down), for `kernels.gemm_lora`, which runs the term inside the GEMM: every segment's shrink
+    first, then each panel's expand right after the panel, its slices of B prefetched while the panel multiplies
+    (csrc/gemm_f32.h, gemm_lora_f32). Built once a step and group; every layer reuses it with its own buffer.
+
+    `desc` holds one int64 row per projection with adapters in the step: its first column in the GEMM's output, its
+    d_out, its short segments (count, then the plan's starts / lens / slots / ranks addresses), its table's A and B
+    offset rows and its fp32 shrink scratch [rows, sy] (the C struct gemm_lora_proj)."""
+
+    __slots__ = ("desc", "desc_ptr", "nproj", "rows", "d_in", "sy", "scales_ptr", "_keep")
+
+    def __init__(self, desc: torch.Tensor, rows: int, d_in: int, sy: int, slot_scales: torch.Tensor,
+                 keep: tuple) -> None:
+        self.desc, self.desc_ptr, self.nproj = desc, desc.data_ptr(), desc.shape[0]
+        self.rows, self.d_in, self.sy = rows, d_in, sy
+        self.scales_ptr = slot_scales.data_ptr()
+        self._keep = (slot_scales, *keep)
+
+    @classmethod
+    def build(cls, parts: list[tuple[int, LoraTable]], mapping: LoraMapping, buffer_dtype: torch.dtype,
+              slot_scales: torch.Tensor) -> FusedLoraGroup | None:
+        """parts: (the projection's first column in the GEMM's output, its table) for each projection of the group
+        that the step's adapters target. None where the fused call does not cover the step: no native GEMM here,
+        16-bit adapter weights, scales the native kernel cannot read, or a segment the plan sends to BLAS
+        (LORAFLEET_CPU_LONG_SEGMENT)."""
+        if (not parts or buffer_dtype != torch.float32 or slot_scales.dtype != torch.float32
+                or not slot_scales.is_contiguous() or not cpu_native.gemm_available()):
+            return None
+        d_in = parts[0][1].d_in
+        sy = max(max(table.max_rank for _, table in parts), 1)
+        y = torch.empty(len(parts), mapping.num_tokens, sy, dtype=torch.float32)
+        rows: list[list[int]] = []
+        keep: list = [y]
+        for i, (col0, table) in enumerate(parts):
+            if table.d_in != d_in:
+                raise ValueError(f"a fused LoRA group's projections read one input: d_in {table.d_in} != {d_in}")
+            plan = mapping.plan(table)
+            if plan.is_empty:
+                continue
+            cpu_plan = plan.cpu_plan(LONG_SEGMENT)
+            if cpu_plan.long_segments:
+                return None
+            a_offs, b_offs = table.host_offset_ptrs
+            rows.append([col0, table.d_out, cpu_plan.num_short, *cpu_plan.short_ptrs, a_offs, b_offs,
+                         y[i].data_ptr()])
+            keep += [cpu_plan, table]
+        if not rows:
+            return None
+        return cls(torch.tensor(rows, dtype=torch.int64), mapping.num_tokens, d_in, sy, slot_scales, tuple(keep))

@@ -82,6 +82,10 @@ _GEMM_ARGTYPES = (
     _p, _i64, ctypes.c_int, ctypes.c_int,  # out [M, N], its row stride, accumulate into out, threads
     _p, _p, _i64,  # the side stream to prefetch meanwhile: base, int64 [n][2] (byte offset, bytes), n; or NULL, NULL, 0
 )
+_GEMM_LORA_ARGTYPES = _GEMM_ARGTYPES[:11] + (
+    _p, _i64,  # int64 [nproj][10]: each projection's fused LoRA term (kernels.cpu.FusedLoraGroup), nproj
+    _p, _p, _i64,  # the layer's fp32 adapter buffer, scales fp32 [S], the shrink scratch's row stride
+)
 _ARGMAX_ARGTYPES = (
     _i64, _i64, _p, _i64,  # rows T, row length n, x [T, n], its row stride
     _p, ctypes.c_int,  # out int64 [T], threads
@@ -175,6 +179,8 @@ def load() -> ctypes.CDLL | None:
         lib.argmax_rows_f32.restype = None
         lib.gemm_f32.argtypes = _GEMM_ARGTYPES
         lib.gemm_f32.restype = None
+        lib.gemm_lora_f32.argtypes = _GEMM_LORA_ARGTYPES
+        lib.gemm_lora_f32.restype = ctypes.c_int
         lib.gemm_pack_f32.argtypes = (_i64, _i64, _p, _i64, _p)
         lib.gemm_pack_f32.restype = None
         lib.gemm_f32_available.restype = ctypes.c_int
@@ -350,6 +356,33 @@ def gemm(x, packed, n: int, bias=None, out=None, *, threads: int, side: tuple[in
 
 
 _NO_SIDE = (None, None, 0)
+
+
+def gemm_lora(x, packed, n: int, bias, out, lora, buffer_ptr: int, *, threads: int):
+    """`gemm` and the LoRA term of the GEMM's projections in one native call (csrc/gemm_f32.h, gemm_lora_f32):
+    every segment's shrink, then the GEMM with each panel's expand right after it while the next slices of B come in.
+    `lora`: a kernels.cpu.FusedLoraGroup built for x's rows; buffer_ptr: the layer's fp32 adapter buffer. x and out
+    (when given, the residual) as `gemm` takes them, x with contiguous rows too -> out."""
+    import torch
+
+    lib = _lib
+    if lib is None:
+        raise RuntimeError("gemm_lora: the native kernel library is not loaded (gemm_pack packs the weights first)")
+    m = x.shape[0]
+    if (x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or m != lora.rows
+            or packed.numel() != _gemm_packed_elems(n, x.shape[1]) or x.shape[1] != lora.d_in):
+        raise ValueError(f"gemm_lora: x {tuple(x.shape)} {x.dtype} does not fit a packed weight of {n} outputs "
+                         f"and a fused LoRA term of {lora.rows} rows x {lora.d_in} inputs")
+    acc = out is not None
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != torch.float32:
+        raise ValueError(f"gemm_lora: out {tuple(out.shape)} is not [{m}, {n}] fp32 with contiguous rows")
+    if lib.gemm_lora_f32(m, x.shape[1], n, x.data_ptr(), x.stride(0), packed.data_ptr(),
+                         bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), int(acc),
+                         threads, lora.desc_ptr, lora.nproj, buffer_ptr, lora.scales_ptr, lora.sy) != 0:
+        raise ValueError(f"gemm_lora: {m} rows is more than one pass of the native GEMM takes")
+    return out
 
 
 class GemmSide:

@@ -270,16 +270,101 @@ static void gemm_rows(int64_t K, const float *x, int64_t ldx, const float *b, fl
 /* K in chunks of at most GEMM_KC (even sizes): a chunk's rows of x stay in L1 and its part of the panel in L2 */
 static inline int64_t gemm_k_chunks(int64_t K) { return K > GEMM_KC ? (K + GEMM_KC - 1) / GEMM_KC : 1; }
 
+/* The LoRA term fused into a decode step's GEMM (gemm_lora_f32): one projection of the GEMM's group (q, k, v of the
+ * fused q/k/v GEMM, gate and up of gate/up, or the GEMM's only one), its columns [col0, col0 + d_out) of out, its
+ * short segments as sgmv_add_f32 takes them and its fp32 shrink scratch y [M, sy]. The layout is the int64 rows of
+ * kernels.cpu.FusedLoraGroup. */
+typedef struct {
+    int64_t col0, d_out, G;
+    const int32_t *starts, *lens, *slots, *ranks;
+    const int64_t *a_offs, *b_offs;  /* [S] element offsets of each slot's A and B^T in the layer's buffer */
+    float *y;
+} gemm_lora_proj;
+
+typedef struct {
+    const gemm_lora_proj *projs;
+    int64_t nproj, sy;
+    const float *w;       /* the layer's flat fp32 adapter buffer */
+    const float *scales;  /* [S] */
+} gemm_lora;
+
 typedef struct {
     int64_t M, K, N, ldx, ldo, units;
     const float *x, *wp, *bias;
     float *out;
     int acc;
+    const gemm_lora *lora;      /* the fused LoRA term's expand after each panel (gemm_lora_f32), or NULL */
     const char *side_base;      /* the side stream (gemm_side), or NULL */
     const int64_t *side_ranges;
     int64_t side_n, side_lines, side_calls;  /* ranges, their lines, the row-block calls they spread over */
     _Atomic uint64_t *spans;  /* per unit: its panels not yet claimed, [lo, hi) as hi << 32 | lo */
 } gemm_args;
+
+/* Whether projection q of the fused term has segments under columns [lo, hi), and which of them: *c0, *c1. */
+static inline int gemm_lora_cols(const gemm_lora_proj *q, int64_t lo, int64_t hi, int64_t *c0, int64_t *c1) {
+    *c0 = lo > q->col0 ? lo : q->col0;
+    *c1 = hi < q->col0 + q->d_out ? hi : q->col0 + q->d_out;
+    return q->G > 0 && *c0 < *c1;
+}
+
+/* The side stream of a fused panel: (byte offset from the adapter buffer, bytes) of each B rank row's slice under
+ * columns [lo, hi), projection by projection, segment by segment, in the order the panel's expand reads them, into a
+ * buffer of the calling thread's (grown as needed, kept for its next panels); returns the count, *lines their lines. */
+static __thread int64_t *gemm_lora_ranges_buf;
+static __thread int64_t gemm_lora_ranges_cap;
+
+static int64_t gemm_lora_ranges(const gemm_lora *L, int64_t lo, int64_t hi, const int64_t **ranges, int64_t *lines) {
+    int64_t n = 0, rows = 0;
+    for (int64_t pi = 0; pi < L->nproj; pi++) {
+        const gemm_lora_proj *q = &L->projs[pi];
+        int64_t c0, c1;
+        if (!gemm_lora_cols(q, lo, hi, &c0, &c1)) continue;
+        for (int64_t g = 0; g < q->G; g++) rows += q->lens[g] > 0 ? q->ranks[g] : 0;
+    }
+    if (rows > gemm_lora_ranges_cap) {
+        int64_t *grown = (int64_t *)realloc(gemm_lora_ranges_buf, (size_t)rows * 2 * sizeof(int64_t));
+        if (!grown) {  /* no room for the list: the panel runs without the side stream */
+            *lines = 0;
+            return 0;
+        }
+        gemm_lora_ranges_buf = grown;
+        gemm_lora_ranges_cap = rows;
+    }
+    int64_t *r = gemm_lora_ranges_buf;
+    *lines = 0;
+    for (int64_t pi = 0; pi < L->nproj; pi++) {
+        const gemm_lora_proj *q = &L->projs[pi];
+        int64_t c0, c1;
+        if (!gemm_lora_cols(q, lo, hi, &c0, &c1)) continue;
+        const int64_t bytes = (c1 - c0) * (int64_t)sizeof(float), row_lines = (bytes + 63) / 64;
+        for (int64_t g = 0; g < q->G; g++) {
+            if (q->lens[g] <= 0) continue;
+            int64_t off = (q->b_offs[q->slots[g]] + c0 - q->col0) * (int64_t)sizeof(float);
+            for (int64_t j = 0; j < q->ranks[g]; j++, n++, off += q->d_out * (int64_t)sizeof(float)) {
+                r[2 * n] = off;
+                r[2 * n + 1] = bytes;
+            }
+            *lines += q->ranks[g] * row_lines;
+        }
+    }
+    *ranges = r;
+    return n;
+}
+
+/* The fused term's expand under one panel's columns [p0, p0 + nw), into out (the panel just stored there). */
+static void gemm_lora_expand(const gemm_lora *L, float *out, int64_t ldo, int64_t p0, int64_t nw) {
+    for (int64_t pi = 0; pi < L->nproj; pi++) {
+        const gemm_lora_proj *q = &L->projs[pi];
+        int64_t c0, c1;
+        if (!gemm_lora_cols(q, p0, p0 + nw, &c0, &c1)) continue;
+        for (int64_t g = 0; g < q->G; g++) {
+            const int64_t slot = q->slots[g], start = q->starts[g];
+            if (q->lens[g] <= 0 || q->ranks[g] <= 0) continue;
+            segment_expand_f32(q->y + start * L->sy, L->sy, L->w + q->b_offs[slot] + (c0 - q->col0), q->d_out,
+                               q->ranks[g], out + start * ldo + c0, ldo, q->lens[g], c1 - c0, L->scales[slot]);
+        }
+    }
+}
 
 /* Panel p over all M rows; its row blocks prefetch panel `next` (-1: none) into L2. */
 static void gemm_panel(const gemm_args *a, int64_t p, int64_t next) {
@@ -296,7 +381,12 @@ static void gemm_panel(const gemm_args *a, int64_t p, int64_t next) {
     int64_t call = 0;
     /* this panel's share of the side stream: the lines of its calls at their place among all the GEMM's calls */
     gemm_side side = {0};
-    if (a->side_lines > 0) {
+    if (a->lora) {  /* a fused LoRA term: this panel's own expand slices, read right after */
+        const int64_t *ranges = NULL;
+        int64_t lines = 0;
+        const int64_t n = gemm_lora_ranges(a->lora, p0, p0 + nw, &ranges, &lines);
+        side = gemm_side_at((const char *)a->lora->w, ranges, n, 0, lines);
+    } else if (a->side_lines > 0) {
         const int64_t first = p * calls, lo = first * a->side_lines / a->side_calls;
         side = gemm_side_at(a->side_base, a->side_ranges, a->side_n, lo,
                             (first + calls) * a->side_lines / a->side_calls - lo);
@@ -313,6 +403,7 @@ static void gemm_panel(const gemm_args *a, int64_t p, int64_t next) {
                       k0 ? 1 : a->acc, nw, pf ? pf + 64 * lo : NULL, min64(per_call, next_lines - lo), &side, mr);
         }
     }
+    if (a->lora) gemm_lora_expand(a->lora, a->out, ldo, p0, nw);
 }
 
 /* Claim a unit's first (front) or last unclaimed panel: 1 and *p, or 0 when none is left. */
@@ -401,12 +492,67 @@ void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, cons
         for (int64_t u = 0; !by_rows && u < units; u++)
             atomic_init(&spans[u], ((uint64_t)((u + 1) * panels / units) << 32) | (uint64_t)(u * panels / units));
         gemm_args a = {rows, K, N, ldx, ldo, units, x + m0 * ldx, wp, bias,
-                       out + m0 * ldo, acc, side_base, side_ranges, side_n, m0 ? 0 : side_lines, side_calls, spans};
+                       out + m0 * ldo, acc, NULL, side_base, side_ranges, side_n, m0 ? 0 : side_lines, side_calls,
+                       spans};
         parallel_for_team(by_rows ? gemm_row_unit : gemm_unit, &a, units, nthreads);
     }
 }
+
+/* The fused term's shrink, one (projection, segment) a unit: y[t] = A x_t. */
+typedef struct {
+    const gemm_lora *L;
+    const float *x;
+    int64_t ldx, K;
+} gemm_lora_shrink_args;
+
+static void gemm_lora_shrink_unit(const void *vp, int64_t u) {
+    const gemm_lora_shrink_args *s = (const gemm_lora_shrink_args *)vp;
+    const gemm_lora *L = s->L;
+    int64_t pi = 0;
+    while (u >= L->projs[pi].G) u -= L->projs[pi++].G;
+    const gemm_lora_proj *q = &L->projs[pi];
+    const int64_t start = q->starts[u];
+    if (q->lens[u] <= 0 || q->ranks[u] <= 0) return;
+    segment_shrink_f32(s->x + start * s->ldx, s->ldx, L->w + q->a_offs[q->slots[u]], s->K, q->ranks[u],
+                       q->y + start * L->sy, L->sy, q->lens[u], NULL, NULL);
+}
+
+/* gemm_f32 (no side stream) and the LoRA term of the GEMM's projections in one call, for a decode step: every
+ * segment's shrink first (x is the GEMM's input), then the GEMM with each panel's expand right after the panel, by
+ * the thread that stored it, its B slices prefetched into L2 during the panel's k steps. A decode step's GEMM is
+ * bound by its FMAs and leaves the memory bus mostly idle, while the LoRA term after it (sgmv_add_f32) is bound by
+ * its reads: fused, the expand's reads (B, over half of a projection's LoRA bytes where d_out >= d_in) come in
+ * while the GEMM multiplies. Each output element gets the same sums in the same order as gemm_f32 then sgmv_add_f32:
+ * the GEMM's value stored, then + scale x the expand's sum. The panels split over the threads, never the rows (a
+ * decode batch has too few row blocks for gemm_split_rows anyway); M <= GEMM_M_CHUNK. Returns 0, or -1 (nothing
+ * done) when M is larger. */
+int gemm_lora_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, const float *wp, const float *bias,
+                  float *out, int64_t ldo, int acc, int nthreads, const gemm_lora_proj *projs, int64_t nproj,
+                  const float *lw, const float *scales, int64_t sy) {
+    if (M > GEMM_M_CHUNK) return -1;
+    const gemm_lora L = {projs, nproj, sy, lw, scales};
+    int64_t units = 0;
+    for (int64_t pi = 0; pi < nproj; pi++) units += projs[pi].G;
+    const gemm_lora_shrink_args sa = {&L, x, ldx, K};
+    if (units) parallel_for_team(gemm_lora_shrink_unit, &sa, units, nthreads);
+    const int64_t panels = (N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t th = min64(nthreads > 1 ? nthreads : 1, GEMM_MAX_UNITS), gu = min64(panels, th);
+    _Atomic uint64_t spans[GEMM_MAX_UNITS];
+    for (int64_t u = 0; u < gu; u++)
+        atomic_init(&spans[u], ((uint64_t)((u + 1) * panels / gu) << 32) | (uint64_t)(u * panels / gu));
+    gemm_args a = {M, K, N, ldx, ldo, gu, x, wp, bias, out, acc, units ? &L : NULL, NULL, NULL, 0, 0, 1, spans};
+    parallel_for_team(gemm_unit, &a, gu, nthreads);
+    return 0;
+}
 #else
 int gemm_f32_available(void) { return 0; }
+int gemm_lora_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, const float *wp, const float *bias,
+                  float *out, int64_t ldo, int acc, int nthreads, const void *projs, int64_t nproj, const float *lw,
+                  const float *scales, int64_t sy) {
+    (void)M; (void)K; (void)N; (void)x; (void)ldx; (void)wp; (void)bias; (void)out; (void)ldo; (void)acc;
+    (void)nthreads; (void)projs; (void)nproj; (void)lw; (void)scales; (void)sy;
+    return -1;
+}
 void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, const float *wp, const float *bias,
               float *out, int64_t ldo, int acc, int nthreads, const char *side_base, const int64_t *side_ranges,
               int64_t side_n) {

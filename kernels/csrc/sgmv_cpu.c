@@ -14,6 +14,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>

@@ -409,7 +409,41 @@ static void SFX(expand_long16)(const float *y, int64_t sy, const WT *b, int64_t 
 #undef EXPAND16_TOKENS
 #endif
 
-/* One segment: its shrink into y, then its expand into out. */
+/* A segment's shrink: y[t, :rank] = A x_t for its len tokens (A: rank rows of d_in at a), prefetching [pf, pf_end)
+ * on the way (the segment's B, or nothing). */
+static void SFX(segment_shrink)(const float *x, int64_t sx, const WT *a, int64_t d_in, int rank, float *y,
+                                int64_t sy, int64_t len, const char *pf, const char *pf_end) {
+#if defined(ROWS16)
+    if (len > 2) {
+        SFX(shrink_long16)(x, sx, a, d_in, rank, y, sy, len, d_in, pf, pf_end);
+        return;
+    }
+#endif
+    SFX(shrink_unit)(x, sx, a, d_in, rank, y, sy, len, d_in, pf, pf_end);
+}
+
+/* A segment's expand over ncols output columns: out[t, :ncols] += scale * y[t, :rank] B, with b and out at the first
+ * of those columns and sbr B's row stride (the projection's d_out): the whole width (run_segment), or one GEMM
+ * panel's columns of it (gemm_f32.h, the LoRA term fused into a decode step's GEMM). */
+static void SFX(segment_expand)(const float *y, int64_t sy, const WT *b, int64_t sbr, int rank, float *out,
+                                int64_t so, int64_t len, int64_t ncols, float scale) {
+#if defined(ROWS16)
+    if (len > 2) {
+        SFX(expand_long16)(y, sy, b, sbr, rank, out, so, len, ncols, scale);
+        return;
+    }
+#endif
+    int64_t c = 0;  /* columns done */
+#if defined(ROWS8)
+    if (len <= 2) c = SFX(expand_short)(y, sy, b, sbr, rank, out, so, len, ncols, scale);
+#ifndef EXPAND_LONG_TILE  /* -DEXPAND_LONG_TILE: the L1 tile for every column, for A/Bs in bench/lora_step.py */
+    else c = SFX(expand_long)(y, sy, b, sbr, rank, out, so, len, ncols, scale);
+#endif
+#endif
+    if (c < ncols) SFX(expand_unit_rank_major)(y, sy, b + c, sbr, rank, out + c, so, len, ncols - c, scale);
+}
+
+/* One segment: its shrink into y (B prefetched on the way), then its expand into out. */
 static void SFX(run_segment)(const void *args, int64_t g) {
     const sgmv_args *p = (const sgmv_args *)args;
     const WT *w = (const WT *)p->w;
@@ -417,27 +451,9 @@ static void SFX(run_segment)(const void *args, int64_t g) {
     const int rank = p->ranks[g];
     float *y = p->y + start * p->sy;  /* [len, >= rank] scratch rows of this segment */
     const WT *b = w + p->b_offs[slot];
-    float *out = p->out + start * p->so;
-#if defined(ROWS16)
-    if (len > 2) {
-        SFX(shrink_long16)(p->x + start * p->sx, p->sx, w + p->a_offs[slot], p->d_in, rank, y, p->sy, len, p->d_in,
-                           (const char *)b, (const char *)(b + (size_t)rank * (size_t)p->d_out));
-        SFX(expand_long16)(y, p->sy, b, p->d_out, rank, out, p->so, len, p->d_out, p->scales[slot]);
-        return;
-    }
-#endif
-    SFX(shrink_unit)(p->x + start * p->sx, p->sx, w + p->a_offs[slot], p->d_in, rank, y, p->sy, len, p->d_in,
-                     (const char *)b, (const char *)(b + (size_t)rank * (size_t)p->d_out));
-    int64_t c = 0;  /* columns done */
-#if defined(ROWS8)
-    if (len <= 2) c = SFX(expand_short)(y, p->sy, b, p->d_out, rank, out, p->so, len, p->d_out, p->scales[slot]);
-#ifndef EXPAND_LONG_TILE  /* -DEXPAND_LONG_TILE: the L1 tile for every column, for A/Bs in bench/lora_step.py */
-    else c = SFX(expand_long)(y, p->sy, b, p->d_out, rank, out, p->so, len, p->d_out, p->scales[slot]);
-#endif
-#endif
-    if (c < p->d_out)
-        SFX(expand_unit_rank_major)(y, p->sy, b + c, p->d_out, rank, out + c, p->so, len, p->d_out - c,
-                                    p->scales[slot]);
+    SFX(segment_shrink)(p->x + start * p->sx, p->sx, w + p->a_offs[slot], p->d_in, rank, y, p->sy, len,
+                        (const char *)b, (const char *)(b + (size_t)rank * (size_t)p->d_out));
+    SFX(segment_expand)(y, p->sy, b, p->d_out, rank, p->out + start * p->so, p->so, len, p->d_out, p->scales[slot]);
 }
 
 #undef WT

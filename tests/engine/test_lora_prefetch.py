@@ -59,7 +59,7 @@ def test_each_native_gemm_of_a_step_is_handed_its_adapters_matrices_in_each_laye
     assert ModelRunner(tiny_qwen2, pool_pages=8, packed_weights=True,
                        native_gemm=True).lora_side_prefetch is gemm_side_helps()
     runner = ModelRunner(tiny_qwen2, pool_pages=256, max_lora_rank=32, packed_weights=True, native_gemm=True,
-                         lora_prefetch=True)
+                         lora_prefetch=True, fuse_lora=False)  # fused, a decode step's GEMMs fetch their own slices
     slot = load_peft_into(runner, make_random_peft_adapter(tiny_qwen2, tmp_path / "a", r=8, seed=1,
                                                            target_modules=("q_proj", "down_proj")))
     seqs = [Seq(runner, 64, s) for s in (slot, -1)]
@@ -89,7 +89,8 @@ def test_each_native_gemm_of_a_step_is_handed_its_adapters_matrices_in_each_laye
 def test_prefetching_the_adapters_during_the_gemms_changes_no_logit(tiny_qwen2, tmp_path):
     """A mixed step (prefill and decode, base and two adapters) on the native GEMM, with the prefetch and without:
     the same bits."""
-    runner = ModelRunner(tiny_qwen2, pool_pages=256, max_lora_rank=32, packed_weights=True, native_gemm=True)
+    runner = ModelRunner(tiny_qwen2, pool_pages=256, max_lora_rank=32, packed_weights=True, native_gemm=True,
+                         fuse_lora=False)
     slots = [load_peft_into(runner, make_random_peft_adapter(tiny_qwen2, tmp_path / f"a{i}", r=r, seed=i,
                                                              target_modules=TARGET_MODULES))
              for i, r in enumerate((8, 32))]
