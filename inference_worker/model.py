@@ -563,7 +563,7 @@ class ModelRunner:
         # each panel's expand right after the panel, its slices of B fetched while the panel multiplies) instead of a
         # call after each GEMM; fp32 adapters only. None: where the side stream above is not on by default (measured
         # on an Intel Xeon, 2026-12-06: the fleet pass 1.02x, median of 5 rounds, on both workloads; a SmolLM2 decode
-        # step's LoRA cost 27 -> 22 ms; bench/RESULTS.md), the side stream's hosts keep it until measured there.
+        # step's LoRA cost 27 -> 22-25 ms; bench/RESULTS.md), the side stream's hosts keep it until measured there.
         # False keeps the calls after (A/B: bench/peers.py --fused-lora-ab); an attribute, as above.
         if fuse_lora is None:
             fuse_lora = not gemm_side_helps()
