@@ -187,10 +187,11 @@ class FusedLoraGroup:
               slot_scales: torch.Tensor) -> FusedLoraGroup | None:
         """parts: (the projection's first column in the GEMM's output, its table) for each projection of the group
         that the step's adapters target. None where the fused call does not cover the step: no native GEMM here,
-        16-bit adapter weights, scales the native kernel cannot read, or a segment the plan sends to BLAS
-        (LORAFLEET_CPU_LONG_SEGMENT)."""
+        16-bit adapter weights, scales the native kernel cannot read, more rows than one pass of the GEMM takes, or a
+        segment the plan sends to BLAS (LORAFLEET_CPU_LONG_SEGMENT)."""
         if (not parts or buffer_dtype != torch.float32 or slot_scales.dtype != torch.float32
-                or not slot_scales.is_contiguous() or not cpu_native.gemm_available()):
+                or not slot_scales.is_contiguous() or not cpu_native.gemm_available()
+                or mapping.num_tokens > cpu_native.GEMM_LORA_MAX_ROWS):
             return None
         d_in = parts[0][1].d_in
         sy = max(max(table.max_rank for _, table in parts), 1)

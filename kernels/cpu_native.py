@@ -356,6 +356,7 @@ def gemm(x, packed, n: int, bias=None, out=None, *, threads: int, side: tuple[in
 
 
 _NO_SIDE = (None, None, 0)
+GEMM_LORA_MAX_ROWS = 1024  # csrc/gemm_f32.h GEMM_M_CHUNK: gemm_lora_f32 takes one pass over the weights
 
 
 def gemm_lora(x, packed, n: int, bias, out, lora, buffer_ptr: int, *, threads: int):

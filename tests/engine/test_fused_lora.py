@@ -126,3 +126,16 @@ def test_where_it_runs_by_default(ragged_base):
     assert ModelRunner(ragged_base, pool_pages=8, packed_weights=True, native_gemm=True, fuse_lora=True).fuse_lora
     assert not ModelRunner(ragged_base, pool_pages=8, packed_weights=True, native_gemm=True, fuse_lora=False).fuse_lora
     assert not ModelRunner(ragged_base, pool_pages=8, packed_weights=False, fuse_lora=True).fuse_lora  # no native GEMM
+
+
+def test_a_step_of_more_rows_than_one_gemm_pass_takes_the_calls_after(ragged):
+    from kernels import FusedLoraGroup, LoraMapping
+    from kernels.cpu_native import GEMM_LORA_MAX_ROWS
+
+    runner, (every, *_rest) = ragged
+    lora = runner.lora
+    parts = [(0, lora.tables["o_proj"])]
+    for rows, built in ((GEMM_LORA_MAX_ROWS, True), (GEMM_LORA_MAX_ROWS + 1, False)):
+        mapping = LoraMapping.build([every] * rows, len(lora._slots), device=runner.device)
+        group = FusedLoraGroup.build(parts, mapping, lora.dtype, lora.scales)
+        assert (group is not None) is built
