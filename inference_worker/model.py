@@ -318,7 +318,7 @@ class Projection:
     def with_lora(self, x: torch.Tensor, lora, buffer_ptr: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T + b (+ out, in place, when given) plus the LoRA term of the projections this GEMM computes, in one
         native call (kernels.gemm_lora; `lora` a kernels.FusedLoraGroup, buffer_ptr the layer's adapter buffer).
-        Native GEMM only; x and out with contiguous rows."""
+        Native GEMM only; out with contiguous rows."""
         return native_gemm_lora(x, self.weight, self.out_features, self.bias, out, lora, buffer_ptr,
                                 threads=torch.get_num_threads())
 
@@ -414,7 +414,7 @@ class Block:
             y = self.attend(q, k, v, ctx)  # [T, q_dim]
         # Residual adds fused into the GEMMs (x + y @ W_o^T): no [T, hidden] temporary and no separate add pass.
         # x is this forward's own activation (never a weight).
-        if (f := fused("o")) is not None and x.stride(1) == 1 and y.stride(1) == 1:
+        if (f := fused("o")) is not None and x.stride(1) == 1:
             x = self.o.with_lora(y, f, buffers[layer], x)
         else:
             x = self.o.add_to(x, y, side(layer, "o"))
@@ -437,7 +437,7 @@ class Block:
             a = native.swiglu(gu, layer)  # [T, intermediate]
         else:
             a = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-        if (f := fused("down")) is not None and x.stride(1) == 1 and a.stride(1) == 1:
+        if (f := fused("down")) is not None and x.stride(1) == 1:
             x = self.down.with_lora(a, f, buffers[layer], x)
         else:
             x = self.down.add_to(x, a, side(layer, "down"))  # x + a @ W_down^T

@@ -334,25 +334,33 @@ def gemm(x, packed, n: int, bias=None, out=None, *, threads: int, side: tuple[in
     must be (its rows contiguous). Sums in fp32, each output element over k in order, then + bias, then + out.
     `side`: memory the caller reads next, prefetched a line at a time while the GEMM multiplies
     (`GemmSide.at(base)`)."""
-    import torch
-
-    lib = _lib
-    if lib is None:  # a packed weight exists only where gemm_pack loaded the library
-        raise RuntimeError("gemm: the native kernel library is not loaded (gemm_pack packs the weights first)")
-    if x.dim() != 2 or x.dtype != torch.float32 or packed.numel() != _gemm_packed_elems(n, x.shape[1]):
-        raise ValueError(f"gemm: x {tuple(x.shape)} {x.dtype} does not fit a packed weight of {n} outputs")
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    lib, x, out, acc = _gemm_operands("gemm", x, packed, n, out)
     m = x.shape[0]
-    acc = out is not None
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != torch.float32:
-        raise ValueError(f"gemm: out {tuple(out.shape)} is not [{m}, {n}] fp32 with contiguous rows")
     lib.gemm_f32(m, x.shape[1], n, x.data_ptr(), x.stride(0), packed.data_ptr(),
                   bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), int(acc), threads,
                   *(side if side is not None else _NO_SIDE))
     return out
+
+
+def _gemm_operands(name: str, x, packed, n: int, out):
+    """The loaded library and `gemm`'s operands checked: x [M, K] fp32 against a packed [n, K] weight (made
+    row-contiguous if it is not), out a new [M, n] fp32 tensor or the given one (the residual, rows contiguous) ->
+    (lib, x, out, accumulate)."""
+    import torch
+
+    lib = _lib
+    if lib is None:  # a packed weight exists only where gemm_pack loaded the library
+        raise RuntimeError(f"{name}: the native kernel library is not loaded (gemm_pack packs the weights first)")
+    if x.dim() != 2 or x.dtype != torch.float32 or packed.numel() != _gemm_packed_elems(n, x.shape[1]):
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} does not fit a packed weight of {n} outputs")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    if out is None:
+        return lib, x, torch.empty(m, n, dtype=torch.float32), False
+    if out.shape != (m, n) or out.stride(1) != 1 or out.dtype != torch.float32:
+        raise ValueError(f"{name}: out {tuple(out.shape)} is not [{m}, {n}] fp32 with contiguous rows")
+    return lib, x, out, True
 
 
 _NO_SIDE = (None, None, 0)
@@ -363,22 +371,12 @@ def gemm_lora(x, packed, n: int, bias, out, lora, buffer_ptr: int, *, threads: i
     """`gemm` and the LoRA term of the GEMM's projections in one native call (csrc/gemm_f32.h, gemm_lora_f32):
     every segment's shrink, then the GEMM with each panel's expand right after it while the next slices of B come in.
     `lora`: a kernels.cpu.FusedLoraGroup built for x's rows; buffer_ptr: the layer's fp32 adapter buffer. x and out
-    (when given, the residual) as `gemm` takes them, x with contiguous rows too -> out."""
-    import torch
-
-    lib = _lib
-    if lib is None:
-        raise RuntimeError("gemm_lora: the native kernel library is not loaded (gemm_pack packs the weights first)")
+    (when given, the residual) as `gemm` takes them -> out."""
+    lib, x, out, acc = _gemm_operands("gemm_lora", x, packed, n, out)
     m = x.shape[0]
-    if (x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or m != lora.rows
-            or packed.numel() != _gemm_packed_elems(n, x.shape[1]) or x.shape[1] != lora.d_in):
-        raise ValueError(f"gemm_lora: x {tuple(x.shape)} {x.dtype} does not fit a packed weight of {n} outputs "
-                         f"and a fused LoRA term of {lora.rows} rows x {lora.d_in} inputs")
-    acc = out is not None
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != torch.float32:
-        raise ValueError(f"gemm_lora: out {tuple(out.shape)} is not [{m}, {n}] fp32 with contiguous rows")
+    if m != lora.rows or x.shape[1] != lora.d_in:
+        raise ValueError(f"gemm_lora: x {tuple(x.shape)} does not fit a fused LoRA term of {lora.rows} rows x "
+                         f"{lora.d_in} inputs")
     if lib.gemm_lora_f32(m, x.shape[1], n, x.data_ptr(), x.stride(0), packed.data_ptr(),
                          bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), int(acc),
                          threads, lora.desc_ptr, lora.nproj, buffer_ptr, lora.scales_ptr, lora.sy) != 0:

@@ -470,6 +470,12 @@ static int gemm_split_rows(int64_t panels, int64_t blocks, int64_t th) {
     return panels * ((blocks + th - 1) / th) < blocks * ((panels + th - 1) / th);
 }
 
+/* The panels in `units` contiguous runs, one a thread (gemm_unit claims and steals from them). */
+static void gemm_spans_init(_Atomic uint64_t *spans, int64_t panels, int64_t units) {
+    for (int64_t u = 0; u < units; u++)
+        atomic_init(&spans[u], ((uint64_t)((u + 1) * panels / units) << 32) | (uint64_t)(u * panels / units));
+}
+
 /* out[M, N] = x[M, K] @ W^T (+ bias[N]) (+ out when acc) with W packed by gemm_pack_f32; x's and out's rows
  * contiguous, ldx / ldo apart. The panels are split into `nthreads` contiguous runs, one per team thread,
  * which steal from each other's ends once their own is done (gemm_unit); where the panels do not share out evenly
@@ -489,8 +495,7 @@ void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, cons
         const int64_t rows = min64(GEMM_M_CHUNK, M - m0);
         const int by_rows = gemm_split_rows(panels, (rows + GEMM_MR - 1) / GEMM_MR, th);
         const int64_t units = by_rows ? th : min64(panels, th);
-        for (int64_t u = 0; !by_rows && u < units; u++)
-            atomic_init(&spans[u], ((uint64_t)((u + 1) * panels / units) << 32) | (uint64_t)(u * panels / units));
+        if (!by_rows) gemm_spans_init(spans, panels, units);
         gemm_args a = {rows, K, N, ldx, ldo, units, x + m0 * ldx, wp, bias,
                        out + m0 * ldo, acc, NULL, side_base, side_ranges, side_n, m0 ? 0 : side_lines, side_calls,
                        spans};
@@ -538,8 +543,7 @@ int gemm_lora_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, 
     const int64_t panels = (N + GEMM_NR - 1) / GEMM_NR;
     const int64_t th = min64(nthreads > 1 ? nthreads : 1, GEMM_MAX_UNITS), gu = min64(panels, th);
     _Atomic uint64_t spans[GEMM_MAX_UNITS];
-    for (int64_t u = 0; u < gu; u++)
-        atomic_init(&spans[u], ((uint64_t)((u + 1) * panels / gu) << 32) | (uint64_t)(u * panels / gu));
+    gemm_spans_init(spans, panels, gu);
     gemm_args a = {M, K, N, ldx, ldo, gu, x, wp, bias, out, acc, units ? &L : NULL, NULL, NULL, 0, 0, 1, spans};
     parallel_for_team(gemm_unit, &a, gu, nthreads);
     return 0;
