@@ -3,7 +3,8 @@
     .venv/bin/python bench/breakdown.py [--workload smollm2] [--modes base,fleet] [--rounds 2]
 
 One engine on a bench/peers.py workload (the same setup as its lorafleet row), its passes alternating between
-the modes. Every GEMM (`Projection.__call__` / `add_to`), every LoRA call (`StepLora.add`), every attention call
+the modes. Every GEMM (`Projection.__call__` / `add_to`), every LoRA call (`StepLora.add`), every GEMM with its LoRA term
+inside (`Projection.with_lora`, a decode step's where the fused term is on), every attention call
 (`Block.attend`, and `StepKernels.attention` where a step attends on the step's kernels) and each forward step
 (`ModelRunner.forward`) is timed; a GEMM's FLOPs come from its shapes, so
 each row bucket prints the rate the engine got, to set beside bench/limits.py's rates for the same row counts.
@@ -63,6 +64,9 @@ def instrument(decode_rows: int) -> None:
                           lambda self, x, *rest: 2.0 * x.shape[0] * x.shape[1] * rest[-1].shape[1])
     proj.add_to = timed(proj.add_to, lambda self, out, x, *_: gemm_bucket(x.shape[0]),
                         lambda self, out, x, *rest: 2.0 * x.shape[0] * x.shape[1] * rest[-1].shape[1])
+    # a decode step's GEMM with its LoRA term inside (kernels.gemm_lora): its own bucket, its rate the GEMM's FLOPs only
+    proj.with_lora = timed(proj.with_lora, lambda *_: "fused GEMM + LoRA, decode steps",
+                           lambda self, x, *rest: 2.0 * x.shape[0] * x.shape[1] * rest[-1].shape[1])
     lora_mod.StepLora.add = timed(lora_mod.StepLora.add,
                                   lambda self, out, x, layer, proj: "LoRA, decode steps" if x.shape[0] <= decode_rows
                                   else "LoRA, steps with a prefill")
@@ -108,15 +112,17 @@ def main() -> None:
             after = resource.getrusage(resource.RUSAGE_SELF)
             gemm = sum(v for k, v in seconds.items() if k.startswith("GEMM"))
             lora = sum(v for k, v in seconds.items() if k.startswith("LoRA"))
+            fused = sum(v for k, v in seconds.items() if k.startswith("fused"))
             fwd, attn = seconds["forward"], seconds["attention"]
             print(f"{args.workload} {mode:5s} wall {wall:6.2f} s ({generated / wall:6.1f} tok/s): forward {fwd:6.2f} = "
-                  f"GEMMs {gemm:5.2f} + LoRA {lora:5.2f} + attention {attn:5.2f} + rest {fwd - gemm - lora - attn:5.2f}; "
+                  f"GEMMs {gemm:5.2f} + LoRA {lora:5.2f} + fused GEMM + LoRA {fused:5.2f} + attention {attn:5.2f} + "
+                  f"rest {fwd - gemm - lora - fused - attn:5.2f}; "
                   f"outside the forward {wall - fwd:5.2f}; {after.ru_minflt - before.ru_minflt} page faults, "
                   f"{after.ru_stime - before.ru_stime:5.2f} s in the kernel", flush=True)
             print(f"    attention of decode tokens  {seconds['attention of decode tokens']:6.2f} s, "
                   f"{calls['attention of decode tokens']:6d} calls", flush=True)
             for k in sorted(seconds):
-                if k.startswith(("GEMM", "LoRA", "rest")):
+                if k.startswith(("GEMM", "LoRA", "fused", "rest")):
                     rate = f", {flops[k] / seconds[k] / 1e9:6.1f} GFLOP/s" if flops[k] else ""
                     print(f"    {k:27s} {seconds[k]:6.2f} s, {calls[k]:6d} calls{rate}", flush=True)
     engine.close()
