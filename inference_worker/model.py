@@ -519,7 +519,7 @@ class ModelRunner:
                  packed_weights: bool | None = None, adapter_dtype: torch.dtype | None = None,
                  pack_tied_head: bool | None = None, step_kernels: bool = True, huge_pages: bool = True,
                  native_gemm: bool | None = None, lora_prefetch: bool | None = None,
-                 fuse_lora: bool = True) -> None:
+                 fuse_lora: bool | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -562,12 +562,14 @@ class ModelRunner:
         # A decode step's LoRA term inside the native GEMMs (kernels.gemm_lora: every segment's shrink first, then
         # each panel's expand right after the panel, its slices of B fetched while the panel multiplies) instead of a
         # call after each GEMM (with or without the side stream above, which a fused step does not use); fp32 adapters
-        # only; on by default wherever the native GEMM runs. Measured, passes alternating (bench/peers.py --fused-lora-ab,
-        # bench/RESULTS.md): an Intel Xeon (2026-12-06), fleet 1.02x on both workloads (median of 5 rounds, calls after
-        # without the side stream); a Zen 3 EPYC (2026-12-06), fleet 1.12x on SmolLM2 and 1.02x on mid (medians of 5,
-        # against the calls after with the side stream). Not measured on Zen 4, where the side stream was.
+        # only. Measured, passes alternating (bench/peers.py --fused-lora-ab, bench/RESULTS.md): an Intel Xeon of model
+        # 207 (2026-12-06), fleet 1.02x on both workloads (median of 5 rounds, calls after without the side stream); a
+        # Zen 3 EPYC (2026-12-06), fleet 1.12x on SmolLM2 and 1.02x on mid (medians of 5,
+        # against the calls after with the side stream). On an Intel Xeon of model 167 it cost: 0.95x (SmolLM2) and 0.98x
+        # (mid) against the calls after without it (medians of 3, 2026-12-06). None: where that was measured to help,
+        # as the side stream (kernels.gemm_side_helps: AMD CPUs). Not measured on Zen 4, where the side stream was.
         # False keeps the calls after; an attribute, as above.
-        self.fuse_lora = bool(fuse_lora and native_gemm)
+        self.fuse_lora = bool((gemm_side_helps() if fuse_lora is None else fuse_lora) and native_gemm)
         # Decode attention on CPU in fp32 reads K/V in place from the pages (kernels/csrc/sgmv_cpu.c) instead of
         # gathering them for SDPA; False (or LORAFLEET_KERNELS_NATIVE=0, or no C compiler) keeps the gather.
         self.native_attention = self.device.type == "cpu" and self.dtype == torch.float32

@@ -188,9 +188,10 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
         # unset (auto): where that was measured to help (kernels.gemm_side_helps: AMD CPUs)
         prefetch_env = os.environ.get("LORAFLEET_WORKER_LORA_PREFETCH", "auto").lower()
         lora_prefetch = None if prefetch_env == "auto" else prefetch_env not in ("0", "false", "no")
-        # 0: a decode step's LoRA term runs after each native GEMM; unset or 1: inside it (kernels.gemm_lora;
-        # ModelRunner's fuse_lora says why)
-        fuse_lora = os.environ.get("LORAFLEET_WORKER_FUSED_LORA", "1").lower() not in ("0", "false", "no")
+        # 0: a decode step's LoRA term runs after each native GEMM; 1: inside it (kernels.gemm_lora); unset (auto):
+        # where that was measured to help (kernels.gemm_side_helps: AMD CPUs; ModelRunner's fuse_lora says why)
+        fused_env = os.environ.get("LORAFLEET_WORKER_FUSED_LORA", "auto").lower()
+        fuse_lora = None if fused_env == "auto" else fused_env not in ("0", "false", "no")
         runner = ModelRunner(checkpoint_path, device=device, max_lora_rank=max_lora_rank, memory_bytes=budget,
                              max_running=max_running, max_batch_tokens=prefill_chunk + max_running,
                              adapter_dtype=adapter_dtype_of(adapter_dtype), pack_tied_head=None if pack_tied else False,

@@ -301,10 +301,14 @@ def gemm_available() -> bool:
 
 
 def gemm_side_helps() -> bool:
-    """Whether a GEMM's side stream (GemmSide) is worth turning on by default here: on AMD CPUs. Measured paired in one
-    process (bench/peers.py --lora-prefetch-ab, bench/RESULTS.md 2026-12-04): on a Zen 4 EPYC, SmolLM2's fleet pass
-    ran 1.04x (median of 7 rounds) with it; on an Intel Xeon guest (AVX-512 with AMX, 2 MB L2 a core) it ran 0.89x
-    (SmolLM2, rounds 0.90 / 0.89 / 0.91) and 0.97x (mid), base-only passes alike either way."""
+    """Whether a GEMM prefetching a step's adapter lines into L2 while it multiplies is worth turning on by default
+    here: on AMD CPUs. Both forms were measured paired in one process (bench/RESULTS.md). The side stream (GemmSide,
+    bench/peers.py --lora-prefetch-ab, 2026-12-04): on a Zen 4 EPYC SmolLM2's fleet pass ran 1.04x (median of 7 rounds)
+    with it; on an Intel Xeon guest (family 6 model 167, AVX-512 with AMX, 2 MB L2 a core) 0.89x (SmolLM2) and 0.97x
+    (mid). The fused LoRA term (gemm_lora, each panel's B slices fetched while the panel multiplies; --fused-lora-ab,
+    2026-12-06, against the calls after): on a Zen 3 EPYC 1.12x (SmolLM2) and 1.02x (mid), medians of 5; on that Intel
+    Xeon 0.95x and 0.98x (medians of 3); on an Intel Xeon of model 207 1.02x (within its noise). Base-only passes alike
+    either way."""
     return any("AuthenticAMD" in ln for ln in _cpuinfo_first("vendor_id"))
 
 
