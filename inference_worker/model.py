@@ -562,12 +562,11 @@ class ModelRunner:
         # A decode step's LoRA term inside the native GEMMs (kernels.gemm_lora: every segment's shrink first, then
         # each panel's expand right after the panel, its slices of B fetched while the panel multiplies) instead of a
         # call after each GEMM (with or without the side stream above, which a fused step does not use); fp32 adapters
-        # only. Measured, passes alternating (bench/peers.py --fused-lora-ab, bench/RESULTS.md): an Intel Xeon of model
-        # 207 (2026-12-06), fleet 1.02x on both workloads (median of 5 rounds, calls after without the side stream); a
-        # Zen 3 EPYC (2026-12-06), fleet 1.12x on SmolLM2 and 1.02x on mid (medians of 5,
-        # against the calls after with the side stream). On an Intel Xeon of model 167 it cost: 0.95x (SmolLM2) and 0.98x
-        # (mid) against the calls after without it (medians of 3, 2026-12-06). None: where that was measured to help,
-        # as the side stream (kernels.gemm_side_helps: AMD CPUs). Not measured on Zen 4, where the side stream was.
+        # only. Measured, passes alternating (bench/peers.py --fused-lora-ab, bench/RESULTS.md, 2026-12-06): fleet 1.12x
+        # on SmolLM2 and 1.02x on mid on a Zen 3 EPYC (medians of 5, against the calls after with the side stream); 1.02x
+        # on both on an Intel Xeon of model 207 (median of 5, calls after without the side stream) and 0.95x and 0.98x on
+        # one of model 167 (medians of 3). None: where that was measured to help, as for the side stream
+        # (kernels.gemm_side_helps: AMD CPUs). Not measured on Zen 4, where the side stream was.
         # False keeps the calls after; an attribute, as above.
         self.fuse_lora = bool((gemm_side_helps() if fuse_lora is None else fuse_lora) and native_gemm)
         # Decode attention on CPU in fp32 reads K/V in place from the pages (kernels/csrc/sgmv_cpu.c) instead of
