@@ -60,12 +60,12 @@ def instrument(decode_rows: int) -> None:
     tokens is a decode step."""
     proj = model_mod.Projection
     # (a side stream to prefetch may follow x: model.StepSides; the result comes last)
-    def x_first_flops(self, x, *rest):  # __call__ and with_lora: x first, the result last
+    def x_first_flops(self, x, *rest):  # x, then any other arguments, the result last (add_to: after out)
         return 2.0 * x.shape[0] * x.shape[1] * rest[-1].shape[1]
 
     proj.__call__ = timed(proj.__call__, lambda self, x, *_: gemm_bucket(x.shape[0]), x_first_flops)
     proj.add_to = timed(proj.add_to, lambda self, out, x, *_: gemm_bucket(x.shape[0]),
-                        lambda self, out, x, *rest: 2.0 * x.shape[0] * x.shape[1] * rest[-1].shape[1])
+                        lambda self, out, x, *rest: x_first_flops(self, x, *rest))
     # a decode step's GEMM with its LoRA term inside (kernels.gemm_lora): its own bucket, its rate the GEMM's FLOPs only
     proj.with_lora = timed(proj.with_lora, lambda *_: "fused GEMM + LoRA, decode steps", x_first_flops)
     lora_mod.StepLora.add = timed(lora_mod.StepLora.add,

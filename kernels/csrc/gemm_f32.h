@@ -95,6 +95,17 @@ static inline __attribute__((always_inline)) void gemm_pf_after_group(const char
     for (int64_t j = 0; j < side_per && side->left > 0; j++) gemm_side_next(side);
 }
 
+/* A register block's k loop over [0, K) in groups, the prefetches after each (the caller defines GEMM_K_STEP, one k
+ * step on `k`, and has pf, pf_lines and side in scope). */
+#define GEMM_GROUPED_K_LOOP()                                                                                   \
+    do {                                                                                                        \
+        const int64_t per = gemm_pf_per_group(pf_lines, K), side_per = gemm_pf_per_group(side->left, K);        \
+        int64_t pf_i = 0, k = 0;                                                                                \
+        for (; k + GEMM_PF_GROUP <= K; gemm_pf_after_group(pf, pf_lines, &pf_i, per, side, side_per))          \
+            for (int g = 0; g < GEMM_PF_GROUP; g++, k++) GEMM_K_STEP;                                            \
+        for (; k < K; k++) GEMM_K_STEP;                                                                         \
+    } while (0)
+
 /* Lines [lo, lo + n) of the side stream (ranges' lines counted end to end) as a cursor. */
 static gemm_side gemm_side_at(const char *base, const int64_t *ranges, int64_t nranges, int64_t lo, int64_t n) {
     gemm_side s = {base, ranges, nranges, 0, NULL, NULL, 0};
@@ -128,9 +139,6 @@ static inline __attribute__((always_inline)) void gemm_block(
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) c[r][v] = _mm512_setzero_ps();
     const int64_t nwp = 16 * nv;
-    /* the next panel's lines and the side stream's, a fixed number after each group of k steps (GEMM_PF_GROUP) */
-    const int64_t per = gemm_pf_per_group(pf_lines, K), side_per = gemm_pf_per_group(side->left, K);
-    int64_t pf_i = 0, k = 0;
 #define GEMM_K_STEP                                                                         \
     do {                                                                                    \
         __m512 bv[GEMM_NV];                                                                 \
@@ -140,9 +148,7 @@ static inline __attribute__((always_inline)) void gemm_block(
             for (int v = 0; v < nv; v++) c[r][v] = _mm512_fmadd_ps(a, bv[v], c[r][v]);      \
         }                                                                                   \
     } while (0)
-    for (; k + GEMM_PF_GROUP <= K; gemm_pf_after_group(pf, pf_lines, &pf_i, per, side, side_per))
-        for (int g = 0; g < GEMM_PF_GROUP; g++, k++) GEMM_K_STEP;
-    for (; k < K; k++) GEMM_K_STEP;
+    GEMM_GROUPED_K_LOOP();  /* the next panel's lines and the side stream's between groups of k steps */
 #undef GEMM_K_STEP
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) {
@@ -201,9 +207,6 @@ static inline __attribute__((always_inline)) void gemm_strip(
         const float *bias, int acc, int cols, const char *pf, int64_t pf_lines, gemm_side *side, const int mr) {
     __m256 c[GEMM_MR][2];
     for (int r = 0; r < mr; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
-    /* the next panel's lines and the side stream's, a fixed number after each group of k steps (GEMM_PF_GROUP) */
-    const int64_t per = gemm_pf_per_group(pf_lines, K), side_per = gemm_pf_per_group(side->left, K);
-    int64_t pf_i = 0, k = 0;
 #define GEMM_K_STEP                                                                                    \
     do {                                                                                               \
         const __m256 b0 = _mm256_loadu_ps(b + k * nwp), b1 = _mm256_loadu_ps(b + k * nwp + 8);        \
@@ -213,9 +216,7 @@ static inline __attribute__((always_inline)) void gemm_strip(
             c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);                                                 \
         }                                                                                              \
     } while (0)
-    for (; k + GEMM_PF_GROUP <= K; gemm_pf_after_group(pf, pf_lines, &pf_i, per, side, side_per))
-        for (int g = 0; g < GEMM_PF_GROUP; g++, k++) GEMM_K_STEP;
-    for (; k < K; k++) GEMM_K_STEP;
+    GEMM_GROUPED_K_LOOP();  /* the next panel's lines and the side stream's between groups of k steps */
 #undef GEMM_K_STEP
     if (cols == 16) {
         for (int r = 0; r < mr; r++)
