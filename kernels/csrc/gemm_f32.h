@@ -302,11 +302,19 @@ typedef struct {
     float *out;
     int acc;
     const gemm_lora *lora;      /* the fused LoRA term's expand after each panel (gemm_lora_f32), or NULL */
+    int64_t row0;               /* the step's row that x's and out's row 0 are (a row split's part; else 0) */
     const char *side_base;      /* the side stream (gemm_side), or NULL */
     const int64_t *side_ranges;
     int64_t side_n, side_lines, side_calls;  /* ranges, their lines, the row-block calls they spread over */
     _Atomic uint64_t *spans;  /* per unit: its panels not yet claimed, [lo, hi) as hi << 32 | lo */
 } gemm_args;
+
+/* Segment g of projection q clipped to rows [r0, r1) of the step: its first row *t0 and row count (0: none there). */
+static inline int64_t gemm_lora_seg_rows(const gemm_lora_proj *q, int64_t g, int64_t r0, int64_t r1, int64_t *t0) {
+    const int64_t s0 = q->starts[g], s1 = s0 + q->lens[g];
+    *t0 = s0 > r0 ? s0 : r0;
+    return (s1 < r1 ? s1 : r1) - *t0 > 0 ? (s1 < r1 ? s1 : r1) - *t0 : 0;
+}
 
 /* Whether projection q of the fused term has segments under columns [lo, hi), and which of them: *c0, *c1. */
 static inline int gemm_lora_cols(const gemm_lora_proj *q, int64_t lo, int64_t hi, int64_t *c0, int64_t *c1) {
@@ -321,13 +329,14 @@ static inline int gemm_lora_cols(const gemm_lora_proj *q, int64_t lo, int64_t hi
 static __thread int64_t *gemm_lora_ranges_buf;
 static __thread int64_t gemm_lora_ranges_cap;
 
-static int64_t gemm_lora_ranges(const gemm_lora *L, int64_t lo, int64_t hi, const int64_t **ranges, int64_t *lines) {
-    int64_t n = 0, rows = 0;
+static int64_t gemm_lora_ranges(const gemm_lora *L, int64_t lo, int64_t hi, int64_t r0, int64_t r1,
+                                const int64_t **ranges, int64_t *lines) {
+    int64_t n = 0, rows = 0, t0;
     for (int64_t pi = 0; pi < L->nproj; pi++) {
         const gemm_lora_proj *q = &L->projs[pi];
         int64_t c0, c1;
         if (!gemm_lora_cols(q, lo, hi, &c0, &c1)) continue;
-        for (int64_t g = 0; g < q->G; g++) rows += q->lens[g] > 0 ? q->ranks[g] : 0;
+        for (int64_t g = 0; g < q->G; g++) rows += gemm_lora_seg_rows(q, g, r0, r1, &t0) ? q->ranks[g] : 0;
     }
     if (rows > gemm_lora_ranges_cap) {
         int64_t *grown = (int64_t *)realloc(gemm_lora_ranges_buf, (size_t)rows * 2 * sizeof(int64_t));
@@ -346,7 +355,7 @@ static int64_t gemm_lora_ranges(const gemm_lora *L, int64_t lo, int64_t hi, cons
         if (!gemm_lora_cols(q, lo, hi, &c0, &c1)) continue;
         const int64_t bytes = (c1 - c0) * (int64_t)sizeof(float), row_lines = (bytes + 63) / 64;
         for (int64_t g = 0; g < q->G; g++) {
-            if (q->lens[g] <= 0) continue;
+            if (!gemm_lora_seg_rows(q, g, r0, r1, &t0)) continue;
             int64_t off = (q->b_offs[q->slots[g]] + c0 - q->col0) * (int64_t)sizeof(float);
             for (int64_t j = 0; j < q->ranks[g]; j++, n++, off += q->d_out * (int64_t)sizeof(float)) {
                 r[2 * n] = off;
@@ -359,17 +368,22 @@ static int64_t gemm_lora_ranges(const gemm_lora *L, int64_t lo, int64_t hi, cons
     return n;
 }
 
-/* The fused term's expand under one panel's columns [p0, p0 + nw), into out (the panel just stored there). */
-static void gemm_lora_expand(const gemm_lora *L, float *out, int64_t ldo, int64_t p0, int64_t nw) {
+/* The fused term's expand under one panel's columns [p0, p0 + nw) and rows [r0, r1) of the step, into out (the
+ * panel just stored there; its row 0 is the step's row r0). A segment cut by r0 or r1 is expanded in pieces: each
+ * output element gets the same sum either way (over the rank in order, then scaled and added). */
+static void gemm_lora_expand(const gemm_lora *L, float *out, int64_t ldo, int64_t p0, int64_t nw, int64_t r0,
+                             int64_t r1) {
     for (int64_t pi = 0; pi < L->nproj; pi++) {
         const gemm_lora_proj *q = &L->projs[pi];
         int64_t c0, c1;
         if (!gemm_lora_cols(q, p0, p0 + nw, &c0, &c1)) continue;
         for (int64_t g = 0; g < q->G; g++) {
-            const int64_t slot = q->slots[g], start = q->starts[g];
-            if (q->lens[g] <= 0 || q->ranks[g] <= 0) continue;
+            const int64_t slot = q->slots[g];
+            int64_t start;
+            const int64_t len = gemm_lora_seg_rows(q, g, r0, r1, &start);
+            if (!len || q->ranks[g] <= 0) continue;
             segment_expand_f32(q->y + start * L->sy, L->sy, L->w + q->b_offs[slot] + (c0 - q->col0), q->d_out,
-                               q->ranks[g], out + start * ldo + c0, ldo, q->lens[g], c1 - c0, L->scales[slot]);
+                               q->ranks[g], out + (start - r0) * ldo + c0, ldo, len, c1 - c0, L->scales[slot]);
         }
     }
 }
@@ -377,7 +391,10 @@ static void gemm_lora_expand(const gemm_lora *L, float *out, int64_t ldo, int64_
 /* Panel p over all M rows; its row blocks prefetch panel `next` (-1: none) into L2. */
 static void gemm_panel(const gemm_args *a, int64_t p, int64_t next) {
     const int64_t K = a->K, N = a->N, M = a->M, ldx = a->ldx, ldo = a->ldo;
+    /* row blocks of GEMM_MR rows at most, their sizes within one of each other (64 rows: 4 of 7 and 6 of 6, not
+     * 9 of 7 and one of 1); each output element's sum is the same whatever block it falls in */
     const int64_t blocks = (M + GEMM_MR - 1) / GEMM_MR;
+    const int64_t mr_lo = blocks ? M / blocks : 0, mr_extra = blocks ? M % blocks : 0;
     const int64_t p0 = p * GEMM_NR, nw = min64(GEMM_NR, N - p0);
     const float *b = a->wp + p0 * K;
     const float *bias = a->bias ? a->bias + p0 : NULL;
@@ -392,7 +409,7 @@ static void gemm_panel(const gemm_args *a, int64_t p, int64_t next) {
     if (a->lora) {  /* a fused LoRA term: this panel's own expand slices, read right after */
         const int64_t *ranges = NULL;
         int64_t lines = 0;
-        const int64_t n = gemm_lora_ranges(a->lora, p0, p0 + nw, &ranges, &lines);
+        const int64_t n = gemm_lora_ranges(a->lora, p0, p0 + nw, a->row0, a->row0 + M, &ranges, &lines);
         side = gemm_side_at((const char *)a->lora->w, ranges, n, 0, lines);
     } else if (a->side_lines > 0) {
         const int64_t first = p * calls, lo = first * a->side_lines / a->side_calls;
@@ -403,15 +420,15 @@ static void gemm_panel(const gemm_args *a, int64_t p, int64_t next) {
     for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kc) {  /* once at K = 0: out gets the bias (or stays out) */
         const int64_t kn = min64(kc, K - k0);
         for (int64_t bi = 0; bi < blocks; bi++, call++) {
-            const int64_t m0 = bi * GEMM_MR;
-            const int mr = (int)min64(GEMM_MR, M - m0);
+            const int64_t m0 = bi * mr_lo + min64(bi, mr_extra);
+            const int mr = (int)(mr_lo + (bi < mr_extra));
             const int64_t lo = min64(call * per_call, next_lines);
             side.left = side_total * (call + 1) / calls - side_total * call / calls;
             gemm_rows(kn, a->x + m0 * ldx + k0, ldx, b + k0 * nwp, a->out + m0 * ldo + p0, ldo, k0 ? NULL : bias,
                       k0 ? 1 : a->acc, nw, pf ? pf + 64 * lo : NULL, min64(per_call, next_lines - lo), &side, mr);
         }
     }
-    if (a->lora) gemm_lora_expand(a->lora, a->out, ldo, p0, nw);
+    if (a->lora) gemm_lora_expand(a->lora, a->out, ldo, p0, nw, a->row0, a->row0 + M);
 }
 
 /* Claim a unit's first (front) or last unclaimed panel: 1 and *p, or 0 when none is left. */
@@ -449,33 +466,39 @@ static void gemm_unit(const void *vp, int64_t u) {
     }
 }
 
-/* Unit u of a row split: row blocks [u * blocks / units, (u + 1) * blocks / units) against every panel, front to
- * back, each prefetching the next. Taken where the panels do not share out evenly over the threads and the row
- * blocks share out better (gemm_split_rows): SmolLM2's o and down projections (N 576) are 9 panels of 64 columns,
- * so of two threads one would multiply a panel more than the other while that one waited. Each thread then reads
- * every panel (the weights' reads twice over, cheap where a panel serves hundreds of rows). On the Zen 4 host
- * (2026-12-06, builds alternating in one process, SmolLM2's shapes over 30 weights each) a 576-row prefill step's
- * GEMMs took 0.965-0.973 of the panel split's time; at the decode batch (64 rows) 0.99-1.00, so it is left to
- * row counts of at least 8 blocks a thread. Unit 0 carries the side stream, spread over its own calls. */
+/* Unit u of a row split: rows [u * M / units, (u + 1) * M / units) against every panel, front to back, each
+ * prefetching the next (and a fused LoRA term's expand of those rows after each). Taken where the panels do not share
+ * out evenly over the threads and the rows share out better (gemm_split_rows): SmolLM2's q/k/v (N 960) and its o and
+ * down projections (N 576) are 15 and 9 panels of 64 columns, so of two threads one would multiply a panel more than
+ * the other while that one waited. Each thread then reads every panel (the weights' reads twice over, the second
+ * mostly from L3). On the Zen 4 host (2026-12-06, builds alternating in one process, SmolLM2's shapes over 30 weights
+ * each) a 576-row prefill step's GEMMs took 0.965-0.973 of the panel split's time. At the decode batch (64 rows) it
+ * gained nothing while its halves were whole blocks of 7 (35 and 29 rows); with the rows halved (32 and 32, blocks of
+ * 7, 7, 6, 6, 6) and balanced blocks in gemm_panel, the four SmolLM2 GEMMs of a layer at 64 rows ran 1.058x (paired
+ * median of 9, 1.026-1.067) and mid's 1.037x (its panels share out evenly: that is the blocks alone). Unit 0 carries
+ * the side stream, spread over its own calls. */
 static void gemm_row_unit(const void *vp, int64_t u) {
     const gemm_args *a = (const gemm_args *)vp;
-    const int64_t blocks = (a->M + GEMM_MR - 1) / GEMM_MR, panels = (a->N + GEMM_NR - 1) / GEMM_NR;
-    const int64_t r0 = u * blocks / a->units * GEMM_MR, r1 = min64((u + 1) * blocks / a->units * GEMM_MR, a->M);
+    const int64_t panels = (a->N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t r0 = u * a->M / a->units, r1 = (u + 1) * a->M / a->units;
     if (r0 >= r1) return;
     gemm_args part = *a;
     part.M = r1 - r0;
     part.x = a->x + r0 * a->ldx;
     part.out = a->out + r0 * a->ldo;
+    part.row0 = a->row0 + r0;
     part.side_lines = u == 0 ? a->side_lines : 0;
     part.side_calls = panels * ((part.M + GEMM_MR - 1) / GEMM_MR) * gemm_k_chunks(a->K);
     for (int64_t p = 0; p < panels; p++) gemm_panel(&part, p, p + 1 < panels ? p + 1 : -1);
 }
 
-/* Whether `blocks` row blocks split over `th` threads keep them busier than `panels` panels do (each side's work
- * over th x its largest share), where each thread gets at least 8 row blocks (gemm_row_unit says why). */
-static int gemm_split_rows(int64_t panels, int64_t blocks, int64_t th) {
-    if (th < 2 || panels % th == 0 || blocks < 8 * th) return 0;
-    return panels * ((blocks + th - 1) / th) < blocks * ((panels + th - 1) / th);
+/* Whether `rows` split over `th` threads keep them busier than `panels` panels do: each side's largest share in
+ * row-block calls (a thread's rows in blocks of at most GEMM_MR x every panel, against every row block x a thread's
+ * panels). */
+static int gemm_split_rows(int64_t panels, int64_t rows, int64_t th) {
+    if (th < 2 || panels % th == 0) return 0;
+    const int64_t blocks = (rows + GEMM_MR - 1) / GEMM_MR, share = ((rows + th - 1) / th + GEMM_MR - 1) / GEMM_MR;
+    return panels * share < blocks * ((panels + th - 1) / th);
 }
 
 /* The panels in `units` contiguous runs, one a thread (gemm_unit claims and steals from them). */
@@ -501,11 +524,11 @@ void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, cons
     _Atomic uint64_t spans[GEMM_MAX_UNITS];
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_CHUNK) {
         const int64_t rows = min64(GEMM_M_CHUNK, M - m0);
-        const int by_rows = gemm_split_rows(panels, (rows + GEMM_MR - 1) / GEMM_MR, th);
+        const int by_rows = gemm_split_rows(panels, rows, th);
         const int64_t units = by_rows ? th : min64(panels, th);
         if (!by_rows) gemm_spans_init(spans, panels, units);
         gemm_args a = {rows, K, N, ldx, ldo, units, x + m0 * ldx, wp, bias,
-                       out + m0 * ldo, acc, NULL, side_base, side_ranges, side_n, m0 ? 0 : side_lines, side_calls,
+                       out + m0 * ldo, acc, NULL, 0, side_base, side_ranges, side_n, m0 ? 0 : side_lines, side_calls,
                        spans};
         parallel_for_team(by_rows ? gemm_row_unit : gemm_unit, &a, units, nthreads);
     }
@@ -536,9 +559,9 @@ static void gemm_lora_shrink_unit(const void *vp, int64_t u) {
  * bound by its FMAs and leaves the memory bus mostly idle, while the LoRA term after it (sgmv_add_f32) is bound by
  * its reads: fused, the expand's reads (B, over half of a projection's LoRA bytes where d_out >= d_in) come in
  * while the GEMM multiplies. Each output element gets the same sums in the same order as gemm_f32 then sgmv_add_f32:
- * the GEMM's value stored, then + scale x the expand's sum. The panels split over the threads, never the rows (a
- * decode batch has too few row blocks for gemm_split_rows anyway); M <= GEMM_M_CHUNK. Returns 0, or -1 (nothing
- * done) when M is larger. */
+ * the GEMM's value stored, then + scale x the expand's sum. The panels split over the threads, or the rows where they
+ * share out better (gemm_split_rows: each thread expands its own rows of each panel, a segment cut in two by the
+ * split expanded in two pieces); M <= GEMM_M_CHUNK. Returns 0, or -1 (nothing done) when M is larger. */
 int gemm_lora_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, const float *wp, const float *bias,
                   float *out, int64_t ldo, int acc, int nthreads, const gemm_lora_proj *projs, int64_t nproj,
                   const float *lw, const float *scales, int64_t sy) {
@@ -549,11 +572,13 @@ int gemm_lora_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, 
     const gemm_lora_shrink_args sa = {&L, x, ldx, K};
     if (units) parallel_for_team(gemm_lora_shrink_unit, &sa, units, nthreads);
     const int64_t panels = (N + GEMM_NR - 1) / GEMM_NR;
-    const int64_t th = min64(nthreads > 1 ? nthreads : 1, GEMM_MAX_UNITS), gu = min64(panels, th);
+    const int64_t th = min64(nthreads > 1 ? nthreads : 1, GEMM_MAX_UNITS);
+    const int by_rows = gemm_split_rows(panels, M, th);
+    const int64_t gu = by_rows ? th : min64(panels, th);
     _Atomic uint64_t spans[GEMM_MAX_UNITS];
-    gemm_spans_init(spans, panels, gu);
-    gemm_args a = {M, K, N, ldx, ldo, gu, x, wp, bias, out, acc, units ? &L : NULL, NULL, NULL, 0, 0, 1, spans};
-    parallel_for_team(gemm_unit, &a, gu, nthreads);
+    if (!by_rows) gemm_spans_init(spans, panels, gu);
+    gemm_args a = {M, K, N, ldx, ldo, gu, x, wp, bias, out, acc, units ? &L : NULL, 0, NULL, NULL, 0, 0, 1, spans};
+    parallel_for_team(by_rows ? gemm_row_unit : gemm_unit, &a, gu, nthreads);
     return 0;
 }
 #else

@@ -38,18 +38,21 @@ def test_every_row_block_tail_matches_the_reference(m, threads):
     close(got, reference(x, w), k)
 
 
-@pytest.mark.parametrize(("m", "n"), [(111, 576), (112, 576), (113, 960), (512, 576), (577, 960), (576, 200)])
+@pytest.mark.parametrize(("m", "n"), [(111, 576), (112, 576), (113, 960), (512, 576), (577, 960), (576, 200),
+                                       (64, 576), (64, 960), (13, 160), (60, 528)])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_rows_split_over_threads_where_the_panels_do_not_share_out(m, n, threads):
-    """Prefill-sized row counts against widths of an odd number of panels (AVX-512: 9 and 15 of 64 columns; AVX2 13
-    of 48 for 576 on 3 threads), where each thread takes a run of row blocks of every panel instead of a run of
-    panels; a residual and a bias on top."""
+    """Prefill-sized and decode-sized row counts against widths of an odd number of panels (AVX-512: 9 and 15 of 64
+    columns; AVX2 13 of 48 for 576 on 3 threads, 11 for 528), where each thread takes half the rows (a third) of every
+    panel instead of a run of panels; a residual and a bias on top. The same bits as one thread's panel by panel."""
     g = torch.Generator().manual_seed(m * n + threads)
     k = 80
     w, x, bias = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     residual = torch.randn(m, n, generator=g)
-    got = gemm(x, gemm_pack(w), n, bias, residual.clone(), threads=threads)
+    packed = gemm_pack(w)
+    got = gemm(x, packed, n, bias, residual.clone(), threads=threads)
     close(got, reference(x, w, bias, residual), k)
+    assert torch.equal(got, gemm(x, packed, n, bias, residual.clone(), threads=1))
 
 
 @pytest.mark.parametrize("n", [1, 5, 12, 16, 33, 40, 47, 48, 49, 63, 64, 65, 95, 100, 127, 128, 960, 3072])
