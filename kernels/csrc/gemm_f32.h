@@ -311,9 +311,9 @@ typedef struct {
 
 /* Segment g of projection q clipped to rows [r0, r1) of the step: its first row *t0 and row count (0: none there). */
 static inline int64_t gemm_lora_seg_rows(const gemm_lora_proj *q, int64_t g, int64_t r0, int64_t r1, int64_t *t0) {
-    const int64_t s0 = q->starts[g], s1 = s0 + q->lens[g];
+    const int64_t s0 = q->starts[g], s1 = min64(s0 + q->lens[g], r1);
     *t0 = s0 > r0 ? s0 : r0;
-    return (s1 < r1 ? s1 : r1) - *t0 > 0 ? (s1 < r1 ? s1 : r1) - *t0 : 0;
+    return s1 > *t0 ? s1 - *t0 : 0;
 }
 
 /* Whether projection q of the fused term has segments under columns [lo, hi), and which of them: *c0, *c1. */
