@@ -72,6 +72,12 @@ static inline __attribute__((always_inline)) void gemm_side_next(gemm_side *s) {
     }
 }
 
+/* The sum over k, then + bias, then + out, in that order whatever a block's row count: -ffast-math lets the compiler
+ * regroup (sum + bias) + out as sum + (bias + out) in some of the unrolled copies and not in others, and a row's
+ * bits then hung on the size of the block it fell in (seen on the AVX2 build with balanced blocks: a bias and a
+ * residual, 13 rows on 1 thread against 3). An empty asm that takes and gives back the value keeps the order. */
+#define GEMM_IN_ORDER(v) __asm__("" : "+v"(v))
+
 /* The k loop runs in groups of GEMM_PF_GROUP steps and issues the prefetches between groups, a fixed number of lines
  * after each (the lines spread over the groups, front-loaded where there are fewer lines than groups): branches whose
  * pattern the predictor keeps. Checking at every k step whether a prefetch was due (a branch taken once every few
@@ -155,6 +161,7 @@ static inline __attribute__((always_inline)) void gemm_block(
             __mmask16 m = v == nv - 1 ? last : (__mmask16)0xFFFF;
             __m512 s = c[r][v];
             if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(m, bias + 16 * v));
+            GEMM_IN_ORDER(s);
             if (acc) s = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out + r * ldo + 16 * v), s);
             _mm512_mask_storeu_ps(out + r * ldo + 16 * v, m, s);
         }
@@ -223,6 +230,7 @@ static inline __attribute__((always_inline)) void gemm_strip(
             for (int h = 0; h < 2; h++) {
                 __m256 s = c[r][h];
                 if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + 8 * h));
+                GEMM_IN_ORDER(s);
                 if (acc) s = _mm256_add_ps(_mm256_loadu_ps(out + r * ldo + 8 * h), s);
                 _mm256_storeu_ps(out + r * ldo + 8 * h, s);
             }
@@ -235,6 +243,7 @@ static inline __attribute__((always_inline)) void gemm_strip(
         for (int h = 0; h < 2; h++) {
             __m256 s = c[r][h];
             if (bias) s = _mm256_add_ps(s, _mm256_maskload_ps(bias + 8 * h, m[h]));
+            GEMM_IN_ORDER(s);
             if (acc) s = _mm256_add_ps(_mm256_maskload_ps(out + r * ldo + 8 * h, m[h]), s);
             _mm256_maskstore_ps(out + r * ldo + 8 * h, m[h], s);
         }
