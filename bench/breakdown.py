@@ -1,6 +1,6 @@
 """Where a lorafleet pass's time goes: GEMMs by row count, the LoRA term (decode and prefill calls), attention.
 
-    .venv/bin/python bench/breakdown.py [--workload smollm2] [--modes base,fleet] [--rounds 2]
+    .venv/bin/python bench/breakdown.py [--workload smollm2] [--modes base,fleet] [--rounds 2] [--lora-prefetch-ab]
 
 One engine on a bench/peers.py workload (the same setup as its lorafleet row), its passes alternating between
 the modes. Every GEMM (`Projection.__call__` / `add_to`), every LoRA call (`StepLora.add`), every GEMM with its LoRA term
@@ -95,6 +95,9 @@ def main() -> None:
     ap.add_argument("--huge-pages", choices=("on", "off"), default="on",
                     help="off: leave the weights on the 4 KB pages malloc gave them (ModelRunner(huge_pages=False)); "
                          "an A/B runs the two in alternating processes, as the choice is the process's")
+    ap.add_argument("--lora-prefetch-ab", action="store_true",
+                    help="each mode twice a round: the GEMMs prefetching the adapter matrices the LoRA work after "
+                         "them reads (ModelRunner.lora_side_prefetch), then not")
     args = ap.parse_args()
 
     w = peers.WORKLOADS[args.workload](Path(args.workdir))
@@ -103,8 +106,11 @@ def main() -> None:
     print("weights' pages:", runner.huge_pages.describe() if runner.huge_pages else "as malloc gave them", flush=True)
     instrument(decode_rows=len(w.prompts))  # a step of no more rows than running requests: a decode step
     generated = len(w.prompts) * w.new_tokens
+    prefetch = [True, False] if args.lora_prefetch_ab else [runner.lora_side_prefetch]
     for _ in range(args.rounds):
-        for mode in args.modes.split(","):
+        for mode, pf in [(m, p) for m in args.modes.split(",") for p in prefetch]:
+            runner.lora_side_prefetch = pf
+            mode_label = f"{mode} (prefetch {'on' if pf else 'off'})" if args.lora_prefetch_ab else mode
             seconds.clear()
             calls.clear()
             flops.clear()
@@ -115,7 +121,7 @@ def main() -> None:
             lora = sum(v for k, v in seconds.items() if k.startswith("LoRA"))
             fused = sum(v for k, v in seconds.items() if k.startswith("fused"))
             fwd, attn = seconds["forward"], seconds["attention"]
-            print(f"{args.workload} {mode:5s} wall {wall:6.2f} s ({generated / wall:6.1f} tok/s): forward {fwd:6.2f} = "
+            print(f"{args.workload} {mode_label:5s} wall {wall:6.2f} s ({generated / wall:6.1f} tok/s): forward {fwd:6.2f} = "
                   f"GEMMs {gemm:5.2f} + LoRA {lora:5.2f} + fused GEMM + LoRA {fused:5.2f} + attention {attn:5.2f} + "
                   f"rest {fwd - gemm - lora - fused - attn:5.2f}; "
                   f"outside the forward {wall - fwd:5.2f}; {after.ru_minflt - before.ru_minflt} page faults, "
