@@ -13,8 +13,8 @@
  * Layout (gemm_pack_f32): panels of GEMM_NR output columns (AVX-512: 64, AVX2: 48); panel p (columns p*NR ...) is
  * the [K, NR] block W[p*NR : p*NR + NR, :]^T, row-major, at wp + p*NR*K. The last panel is as wide as what remains
  * rounded up to 16, zero-padded, so the buffer holds K * ceil16(N) floats.
- * Register block (AVX-512): GEMM_MR = 7 rows x 4 vectors of 16 = 28 zmm accumulators, the 4 weight vectors of a k
- * step in the other 4 registers and x's 7 values as embedded broadcasts ({1to16}) of the FMAs: per k, 4 weight loads
+ * Register block (AVX-512): GEMM_MR = 7 rows (6 on Zen 5: gemm_mr_init) x 4 vectors of 16 = 28 zmm accumulators,
+ * the 4 weight vectors of a k step in the other 4 registers and x's 7 values as embedded broadcasts ({1to16}) of the FMAs: per k, 4 weight loads
  * and 7 broadcasts feed 28 FMAs. The block used to be 8 rows x 3 vectors (24 accumulators, 8 broadcasts per 24
  * FMAs); on the Zen 4 EPYC host (2026-12-06, /tmp A/B of the two builds in one process, the models' shapes over
  * one distinct weight a layer) 7 x 4 took 0.926-0.952 of the time at 64 rows and 0.907-0.929 at 576 on mid's
@@ -130,10 +130,30 @@ static gemm_side gemm_side_at(const char *base, const int64_t *ranges, int64_t n
 #endif
 
 #if defined(__AVX512F__)
+#include <cpuid.h>
 #define GEMM_NATIVE 1
-#define GEMM_MR 7                 /* rows per register block */
+#define GEMM_MR_MAX 7             /* rows per register block at most */
+#define GEMM_MR gemm_mr_rows      /* rows per register block: 7, or 6 on Zen 5 (gemm_mr_init) */
 #define GEMM_KC (1 << 30)         /* K in one pass (L2 holds a panel of the widest K here) */
 int gemm_f32_available(void) { return 1; }
+
+/* The register block's rows, chosen once when the library loads. 7 x 4 (28 accumulators) was the fastest block on
+ * Zen 4 (above); on the Zen 5 EPYC host (family 26, 2026-12-06, the /tmp A/B of builds in one process, passes
+ * alternating, 9 pairs, the models' four shapes over a weight a layer) 6 x 4 ran 1.034-1.035x at 64 rows and
+ * 1.066-1.072x at 576 (mid, SmolLM2), and 5 x 4 1.024 / 0.962 and 1.072 / 1.084. Each output element's sum is the
+ * same whatever the block's rows. LORAFLEET_GEMM_MR (1-7) overrides it, for A/Bs. */
+static int gemm_mr_rows = GEMM_MR_MAX;
+
+__attribute__((constructor)) static void gemm_mr_init(void) {
+    unsigned a, b, c, d;
+    if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u  /* AMD */
+        && __get_cpuid(1, &a, &b, &c, &d)) {
+        const unsigned family = ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
+        if (family >= 0x1A) gemm_mr_rows = 6;  /* Zen 5 */
+    }
+    const char *env = getenv("LORAFLEET_GEMM_MR");
+    if (env && env[0] >= '1' && env[0] <= '0' + GEMM_MR_MAX && env[1] == '\0') gemm_mr_rows = env[0] - '0';
+}
 
 /* mr rows of x against one panel of nv vectors (both compile-time at each call site below, so the register
  * block unrolls); the panel's last vector stores only `last` lanes. pf_lines cache lines from pf are prefetched
@@ -141,7 +161,7 @@ int gemm_f32_available(void) { return 1; }
 static inline __attribute__((always_inline)) void gemm_block(
         int64_t K, const float *x, int64_t ldx, const float *b, float *out, int64_t ldo, const float *bias, int acc,
         __mmask16 last, const char *pf, int64_t pf_lines, gemm_side *side, const int mr, const int nv) {
-    __m512 c[GEMM_MR][GEMM_NV];
+    __m512 c[GEMM_MR_MAX][GEMM_NV];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) c[r][v] = _mm512_setzero_ps();
     const int64_t nwp = 16 * nv;

@@ -3,6 +3,11 @@
 (every row-block tail), output widths that end mid-panel and mid-vector (AVX2: mid-strip, in either ymm), rows of
 wider buffers, one and two threads, and more rows than one pass over the weights takes.
 (tests/engine/test_model_parity.py: the runner on it against transformers and PEFT.)"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,3 +144,33 @@ def test_prefetching_a_side_stream_leaves_every_result_bit_for_bit(m):
             got = gemm(x, packed, n, bias, residual.clone(), threads=threads, side=side.at(side_buffer.data_ptr()))
             assert torch.equal(got, plain)
     assert torch.equal(side_buffer, before)
+
+
+_ROW_BLOCK_PROBE = """
+import hashlib, sys, torch
+from kernels import gemm, gemm_pack
+torch.manual_seed(0)
+for m, n, k in ((1, 64, 96), (13, 160, 80), (64, 576, 96), (65, 960, 80), (577, 200, 64)):
+    w, x, bias, out = torch.randn(n, k), torch.randn(m, k), torch.randn(n), torch.randn(m, n)
+    for threads in (1, 2):
+        got = gemm(x, gemm_pack(w), n, bias, out.clone(), threads=threads)
+        print(m, n, threads, hashlib.sha256(got.numpy().tobytes()).hexdigest())
+"""
+
+
+_AVX512 = Path("/proc/cpuinfo").exists() and "avx512f" in Path("/proc/cpuinfo").read_text()
+
+
+@pytest.mark.skipif(not _AVX512, reason="the AVX-512 build picks its register block's rows")
+def test_the_register_blocks_row_count_changes_no_bit():
+    """The AVX-512 build takes 7 rows a register block, 6 on Zen 5 (gemm_mr_init), LORAFLEET_GEMM_MR to override:
+    a row's sums are the same whichever block it falls in, so the same request gives the same bits on either CPU."""
+    def probe(rows: str) -> str:
+        env = {**os.environ, "LORAFLEET_GEMM_MR": rows}
+        return subprocess.run([sys.executable, "-c", _ROW_BLOCK_PROBE], env=env, capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).resolve().parents[2]).stdout
+
+    seven = probe("7")
+    assert len(seven.splitlines()) == 10
+    assert probe("6") == seven
+    assert probe("5") == seven
