@@ -13,14 +13,14 @@
  * Layout (gemm_pack_f32): panels of GEMM_NR output columns (AVX-512: 64, AVX2: 48); panel p (columns p*NR ...) is
  * the [K, NR] block W[p*NR : p*NR + NR, :]^T, row-major, at wp + p*NR*K. The last panel is as wide as what remains
  * rounded up to 16, zero-padded, so the buffer holds K * ceil16(N) floats.
- * Register block (AVX-512): GEMM_MR = 7 rows (6 on Zen 5: gemm_mr_init) x 4 vectors of 16 = 28 zmm accumulators,
- * the 4 weight vectors of a k step in the other 4 registers and x's 7 values as embedded broadcasts ({1to16}) of
- * the FMAs: per k, 4 weight loads and 7 broadcasts feed 28 FMAs. The block used to be 8 rows x 3 vectors (24 accumulators, 8 broadcasts per 24
- * FMAs); on the Zen 4 EPYC host (2026-12-06, /tmp A/B of the two builds in one process, the models' shapes over
- * one distinct weight a layer) 7 x 4 took 0.926-0.952 of the time at 64 rows and 0.907-0.929 at 576 on mid's
- * shapes, 0.976-0.989 and 0.947-0.973 on SmolLM2's; 6 x 4 0.94-1.0 / 0.91-0.99, 5 x 5 0.97 / 0.95, 4 x 6 and 3 x 8
- * (fewer broadcasts, more loads) 1.11-1.19. Each output element is one fp32 sum over k in order, then + bias, then
- * + out (AVX2: one such sum per chunk of K, each chunk's added to out in turn).
+ * Register block (AVX-512): GEMM_MR = 7 rows (6 on Zen 5: gemm_mr_init) x 4 vectors of 16 = 28 zmm accumulators, the 4
+ * weight vectors of a k step in the other 4 registers and x's 7 values as embedded broadcasts ({1to16}) of the FMAs:
+ * per k, 4 weight loads and 7 broadcasts feed 28 FMAs. The block used to be 8 rows x 3 vectors (24 accumulators, 8
+ * broadcasts per 24 FMAs); on the Zen 4 EPYC host (2026-12-06, /tmp A/B of the two builds in one process, the models'
+ * shapes over one distinct weight a layer) 7 x 4 took 0.926-0.952 of the time at 64 rows and 0.907-0.929 at 576 on
+ * mid's shapes, 0.976-0.989 and 0.947-0.973 on SmolLM2's; 6 x 4 0.94-1.0 / 0.91-0.99, 5 x 5 0.97 / 0.95, 4 x 6 and 3 x
+ * 8 (fewer broadcasts, more loads) 1.11-1.19. Each output element is one fp32 sum over k in order, then + bias, then +
+ * out (AVX2: one such sum per chunk of K, each chunk's added to out in turn).
  * AVX2 with FMA (no AVX-512) takes the same panels in 16-column strips, 6 rows x 2 ymm a block (below). Without
  * either the entry points say so (gemm_f32_available() == 0) and the runner keeps oneDNN. */
 

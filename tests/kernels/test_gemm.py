@@ -147,7 +147,7 @@ def test_prefetching_a_side_stream_leaves_every_result_bit_for_bit(m):
 
 
 _ROW_BLOCK_PROBE = """
-import hashlib, sys, torch
+import hashlib, torch
 from kernels import gemm, gemm_pack
 torch.manual_seed(0)
 for m, n, k in ((1, 64, 96), (13, 160, 80), (64, 576, 96), (65, 960, 80), (577, 200, 64)):
