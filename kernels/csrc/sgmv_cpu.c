@@ -273,12 +273,12 @@ SGMV_ENTRY(sgmv_add_f32_f16w, run_segment_f16)
  *   compute and memory do not overlap at all. A sequence's last block prefetches the first block of the
  *   sequence its thread will likely take next, `nthreads` units on (a paired A/B of SmolLM2's decode step on
  *   the Zen 4 host, 2026-12-04: 0.915 of the time; 1 unit on 0.985, 3 units on 0.928).
- * - Each block first asks for every line of its page at once (prefetcht0, the page's K and V of all its KV heads, 24
- *   KB for SmolLM2), before its first row is read: the lines otherwise come in as the rows ask for them, a few
+ * - Each block first asks for every line of its page at once (prefetcht0, the page's K and V of all its KV heads,
+ *   24 KB for SmolLM2), before its first row is read: the lines otherwise come in as the rows ask for them, a few
  *   misses in flight at a time. SmolLM2's decode step (64 sequences of 38-101 tokens, 30 layers' pages from DRAM, a
- *   /tmp program calling this kernel, processes alternating) on the Zen 5 EPYC host, 2026-12-06: 5.24-5.39 ms against
- *   6.70-7.08 (three pairs) and 6.14-6.73 against 6.99-7.21 (two more, a slower phase); with the pages in the caches
- *   it costs 10% (3.21 against 2.90 ms), which a decode step, whose pages come from DRAM, does not see.
+ *   /tmp program calling this kernel, processes alternating) on the Zen 5 EPYC host, 2026-12-06: 5.24-5.39 ms
+ *   against 6.70-7.08 (three pairs) and 6.14-6.73 against 6.99-7.21 (two more, a slower phase); with the pages in
+ *   the caches it costs 10% (3.21 against 2.90 ms), which a decode step, whose pages come from DRAM, does not see.
  * - For head_dim 64 and 128 the block's work runs on 16-float vectors (GCC vector extensions: one zmm on
  *   AVX-512; on AVX2 without it, the 8-float path after them, attn_block_avx2_*) with the query and accumulator vectors in registers: 16 rows' scores are
  *   16 partial-sum vectors reduced together by one transpose-add (45 shuffles and adds for 16 dot
