@@ -18,9 +18,15 @@ The rate at each row count is measured, per weight shape, with three fp32 GEMMs 
 lorafleet's own GEMM (`kernels.gemm`, `OWN_IMPL`) is timed beside them and printed, but it is not in the limit: the
 limit stays the fastest GEMM torch offers, as issue 15 defines it, and bench/peers.py prints lorafleet's base-only
 pass against the same FLOPs at its own GEMM's rates as well.
-Each shape is timed over one distinct weight per layer (as a forward pass reads them: weights stream from
-memory, not from cache), best of `repeats` passes, the GEMMs alternating so load on shared CPUs tilts none.
-Other work on the CPUs only ever slows a GEMM down, so the best pass is the machine's rate.
+Each implementation runs a forward pass's GEMMs in its order (every layer's q/k/v, o, gate/up and down, one
+distinct weight each, then the head), so each weight streams from memory with the rest of the model's read in
+between, as in a forward pass; a shape's time is the sum of its calls in one pass, best of `repeats` passes, the
+implementations' passes alternating so load on shared CPUs tilts none. Other work on the CPUs only ever slows a
+GEMM down, so the best pass is the machine's rate. Until 2026-12-06 each shape was timed alone over its layers'
+weights; a small shape's whole set then stayed in a large L3 between passes (on the Intel Xeon guest of model 167,
+whose caches hold ~64 MB for this process: mid's o weights are 34 MB over its 8 layers, SmolLM2's 40 MB over 30),
+which a forward pass never sees: there the old way read 1-7% higher (SmolLM2 at 512 rows 302-308 against 279-287
+GFLOP/s in forward order, alternating, 21:30 UTC; bench/RESULTS.md).
 The weights are on 2 MB pages, as the runner keeps its own (inference_worker.huge_pages; since 2026-12-03): there
 the rates read ~5% higher than on malloc's 4 KB pages (SmolLM2 at 64 rows, three processes of each alternating on
 the Zen 4 host: 196.9 / 201.0 GFLOP/s, one outlier of 161.5, against 185.1 / 193.6 / 186.4), so the limit is the
@@ -88,8 +94,9 @@ class GemmRates:
 @torch.inference_mode()
 def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None, seed: int = 0,
                   huge_pages: bool = True) -> GemmRates:
-    """The model's GEMMs at `rows` rows, each shape over `layers` distinct weights (default: the model's layer
-    count; the head once), both implementations alternating, best of `repeats` passes per shape and impl."""
+    """The model's GEMMs at `rows` rows, in a forward pass's order over `layers` distinct layers (default: the
+    model's layer count; the head once after them), each implementation's whole pass in turn, best of `repeats`
+    passes per shape and impl (a shape's time: the sum of its calls in one pass)."""
     from inference_worker.huge_pages import collapse_resident_memory
     from inference_worker.model import Projection  # the runner's GEMM, in each of its three forms
     from kernels import gemm_available
@@ -98,28 +105,34 @@ def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None
     timed_impls = impls + ([OWN_IMPL] if gemm_available() else [])
     g = torch.Generator().manual_seed(seed)
     n_layers = layers or cfg.num_layers
-    shapes = [(name, n, o, n_layers) for name, n, o in layer_shapes(cfg)]
-    shapes.append(("lm_head", cfg.hidden_size, cfg.vocab_size, 1))
+    per_layer = layer_shapes(cfg)
+    head = ("lm_head", cfg.hidden_size, cfg.vocab_size)
+    shapes = [(name, n, o, n_layers) for name, n, o in per_layer] + [(*head, 1)]
+    # the pass's calls in order: (shape, weight) for every layer's four GEMMs, then the head
+    order = [(name, torch.randn(o, n, generator=g) / n ** 0.5) for _ in range(n_layers) for name, n, o in per_layer]
+    order.append((head[0], torch.randn(head[2], head[1], generator=g) / head[1] ** 0.5))
+    made = {"F.linear": lambda w: Projection(w), "onednn": lambda w: Projection(w, onednn=True),
+            "onednn_packed": lambda w: Projection(w, pack_rows=rows), OWN_IMPL: lambda w: Projection(w, native=True)}
+    passes = {impl: [(name, made[impl](w)) for name, w in order] for impl in timed_impls}
+    if huge_pages:  # on 2 MB pages, as the runner keeps its weights (inference_worker.huge_pages)
+        collapse_resident_memory()
+    # one input per width, as in a forward pass (q/k/v, gate/up and the head read the hidden state)
+    x_of = {n: torch.randn(rows, n, generator=g) for _, n, _, _ in shapes}
+    xs = {name: x_of[n] for name, n, _, _ in shapes}
+    for impl in timed_impls:  # warm-up: first-call costs (oneDNN primitive creation) are not the rate
+        for name, *_ in shapes:
+            next(proj for s, proj in passes[impl] if s == name)(xs[name])
     best_t: dict[tuple[str, str], float] = {}
-    for name, n, o, count in shapes:
-        ws = [torch.randn(o, n, generator=g) / n ** 0.5 for _ in range(count)]
-        made = {"F.linear": lambda w: Projection(w), "onednn": lambda w: Projection(w, onednn=True),
-                "onednn_packed": lambda w: Projection(w, pack_rows=rows), OWN_IMPL: lambda w: Projection(w, native=True)}
-        weights = {impl: [made[impl](w) for w in ws] for impl in timed_impls}
-        if huge_pages:  # on 2 MB pages, as the runner keeps its weights (inference_worker.huge_pages)
-            collapse_resident_memory()
-        x = torch.randn(rows, n, generator=g)
-        for impl in timed_impls:  # warm-up: first-call costs (oneDNN primitive creation) are not the rate
-            for proj in weights[impl][:2]:
-                proj(x)
-        for _ in range(repeats):
-            for impl in timed_impls:
+    for _ in range(repeats):
+        for impl in timed_impls:
+            spent = dict.fromkeys((name for name, *_ in shapes), 0.0)
+            for name, proj in passes[impl]:
                 t = time.perf_counter()
-                for proj in weights[impl]:
-                    proj(x)
-                dt = time.perf_counter() - t
+                proj(xs[name])
+                spent[name] += time.perf_counter() - t
+            for name, dt in spent.items():
                 best_t[name, impl] = min(best_t.get((name, impl), float("inf")), dt)
-        del ws, weights
+    del order, passes
     flops = {name: 2 * rows * n * o * count for name, n, o, count in shapes}
     total = sum(flops.values())
     by_impl = {impl: total / sum(best_t[name, impl] for name, *_ in shapes) for impl in timed_impls}
