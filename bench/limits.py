@@ -25,8 +25,9 @@ implementations' passes alternating so load on shared CPUs tilts none. Other wor
 GEMM down, so the best pass is the machine's rate. Until 2026-12-06 each shape was timed alone over its layers'
 weights; a small shape's whole set then stayed in a large L3 between passes (on the Intel Xeon guest of model 167,
 whose caches hold ~64 MB for this process: mid's o weights are 34 MB over its 8 layers, SmolLM2's 40 MB over 30),
-which a forward pass never sees: there the old way read 1-7% higher (SmolLM2 at 512 rows 302-308 against 279-287
-GFLOP/s in forward order, alternating, 21:30 UTC; bench/RESULTS.md).
+which a forward pass never sees: there the old way read higher at 512 rows (SmolLM2 302-308 against 279-287
+GFLOP/s in forward order, mid 301-312 against 293-300; the two alternating, 21:30 UTC) and within the noise at 64
+(bench/RESULTS.md).
 The weights are on 2 MB pages, as the runner keeps its own (inference_worker.huge_pages; since 2026-12-03): there
 the rates read ~5% higher than on malloc's 4 KB pages (SmolLM2 at 64 rows, three processes of each alternating on
 the Zen 4 host: 196.9 / 201.0 GFLOP/s, one outlier of 161.5, against 185.1 / 193.6 / 186.4), so the limit is the
