@@ -505,7 +505,8 @@ static void gemm_unit(const void *vp, int64_t u) {
  * gained nothing while its halves were whole blocks of 7 (35 and 29 rows); with the rows halved (32 and 32, blocks of
  * 7, 7, 6, 6, 6) and balanced blocks in gemm_panel, the four SmolLM2 GEMMs of a layer at 64 rows ran 1.058x (paired
  * median of 9, 1.026-1.067) and mid's 1.037x (its panels share out evenly: that is the blocks alone). Unit 0 carries
- * the side stream, spread over its own calls. */
+ * the side stream, spread over its own calls. Since 2026-12-06 it runs only where a side stream or a fused LoRA term
+ * rides on the GEMM; elsewhere gemm_mixed_unit takes that work with each panel read by one thread. */
 static void gemm_row_unit(const void *vp, int64_t u) {
     const gemm_args *a = (const gemm_args *)vp;
     const int64_t panels = (a->N + GEMM_NR - 1) / GEMM_NR;
@@ -519,6 +520,38 @@ static void gemm_row_unit(const void *vp, int64_t u) {
     part.side_lines = u == 0 ? a->side_lines : 0;
     part.side_calls = panels * ((part.M + GEMM_MR - 1) / GEMM_MR) * gemm_k_chunks(a->K);
     for (int64_t p = 0; p < panels; p++) gemm_panel(&part, p, p + 1 < panels ? p + 1 : -1);
+}
+
+/* Unit u of a mixed split: the panels x `units` row parts as panels x units items, panel-major (item i: panel
+ * i / units, rows [h * M / units, (h + 1) * M / units) for h = i % units), unit u taking items [u * panels, (u + 1) *
+ * panels): whole panels, and where a run starts or ends inside a panel, that panel's rows of its parts. Every thread
+ * multiplies the same share as in the row split, but reads only its own panels' weights, plus one panel both read
+ * (two threads, 9 panels: panels 0-3 and the first half of 4's rows, then the other half and 5-8). Taken instead of
+ * the row split where no side stream rides on the GEMM: with the row split each thread read every panel, and at the
+ * decode batch a small GEMM's weights then came in no faster than its arithmetic went (the Intel Xeon of model 167,
+ * 2026-12-06, SmolLM2's shapes at 64 rows over 400 weights from DRAM: o 178.6 -> 219.5 GFLOP/s, q/k/v 188.3 -> 222.7,
+ * down 192.1 -> 230.7; from L2 the row split ran 252-273). Each output element's sum is the same either way. */
+static void gemm_mixed_unit(const void *vp, int64_t u) {
+    const gemm_args *a = (const gemm_args *)vp;
+    const int64_t th = a->units, panels = (a->N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t i1 = (u + 1) * panels;
+    for (int64_t i = u * panels; i < i1;) {
+        const int64_t p = i / th, h = i % th;
+        const int64_t h1 = min64(th, h + (i1 - i));  /* this unit's parts of panel p: [h, h1) */
+        const int64_t next = i + (h1 - h) < i1 ? p + 1 : -1;
+        if (h == 0 && h1 == th) {
+            gemm_panel(a, p, next);
+        } else {
+            const int64_t r0 = h * a->M / th, r1 = h1 * a->M / th;
+            gemm_args part = *a;
+            part.M = r1 - r0;
+            part.x = a->x + r0 * a->ldx;
+            part.out = a->out + r0 * a->ldo;
+            part.row0 = a->row0 + r0;
+            if (part.M > 0) gemm_panel(&part, p, next);
+        }
+        i += h1 - h;
+    }
 }
 
 /* Whether `rows` split over `th` threads keep them busier than `panels` panels do: each side's largest share in
@@ -539,7 +572,8 @@ static void gemm_spans_init(_Atomic uint64_t *spans, int64_t panels, int64_t uni
 /* out[M, N] = x[M, K] @ W^T (+ bias[N]) (+ out when acc) with W packed by gemm_pack_f32; x's and out's rows
  * contiguous, ldx / ldo apart. The panels are split into `nthreads` contiguous runs, one per team thread,
  * which steal from each other's ends once their own is done (gemm_unit); where the panels do not share out evenly
- * and the rows do, the rows are split instead (gemm_row_unit). side_ranges [side_n][2] (byte offset from side_base,
+ * and the rows do, each thread takes whole panels and the rows of one shared panel (gemm_mixed_unit), or with a
+ * side stream, its rows of every panel (gemm_row_unit). side_ranges [side_n][2] (byte offset from side_base,
  * byte length), or NULL: memory to prefetch while multiplying (gemm_side). */
 void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, const float *wp, const float *bias,
               float *out, int64_t ldo, int acc, int nthreads, const char *side_base, const int64_t *side_ranges,
@@ -554,12 +588,17 @@ void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, cons
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_CHUNK) {
         const int64_t rows = min64(GEMM_M_CHUNK, M - m0);
         const int by_rows = gemm_split_rows(panels, rows, th);
+#ifdef GEMM_NO_MIXED
+        const int mixed = 0;
+#else
+        const int mixed = by_rows && !(side_lines > 0 && m0 == 0) && rows >= th;
+#endif
         const int64_t units = by_rows ? th : min64(panels, th);
         if (!by_rows) gemm_spans_init(spans, panels, units);
         gemm_args a = {rows, K, N, ldx, ldo, units, x + m0 * ldx, wp, bias,
                        out + m0 * ldo, acc, NULL, 0, side_base, side_ranges, side_n, m0 ? 0 : side_lines, side_calls,
                        spans};
-        parallel_for_team(by_rows ? gemm_row_unit : gemm_unit, &a, units, nthreads);
+        parallel_for_team(mixed ? gemm_mixed_unit : by_rows ? gemm_row_unit : gemm_unit, &a, units, nthreads);
     }
 }
 

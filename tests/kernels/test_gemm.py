@@ -48,8 +48,9 @@ def test_every_row_block_tail_matches_the_reference(m, threads):
 @pytest.mark.parametrize("threads", [2, 3])
 def test_rows_split_over_threads_where_the_panels_do_not_share_out(m, n, threads):
     """Prefill-sized and decode-sized row counts against widths of an odd number of panels (AVX-512: 9 and 15 of 64
-    columns; AVX2 13 of 48 for 576 on 3 threads, 11 for 528), where each thread takes half the rows (a third) of every
-    panel instead of a run of panels; a residual and a bias on top. The same bits as one thread's panel by panel."""
+    columns; AVX2 13 of 48 for 576 on 3 threads, 11 for 528), where each thread takes a run of whole panels and its
+    rows of the panel the runs share (gemm_mixed_unit); a residual and a bias on top. The same bits as one thread's
+    panel by panel."""
     g = torch.Generator().manual_seed(m * n + threads)
     k = 80
     w, x, bias = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
@@ -121,16 +122,18 @@ def test_no_rows_and_what_it_does_not_take():
     assert cpu_native.load() is not None
 
 
+@pytest.mark.parametrize("n", [200, 576])
 @pytest.mark.parametrize("m", [1, 64, 560, 1100])
-def test_prefetching_a_side_stream_leaves_every_result_bit_for_bit(m):
+def test_prefetching_a_side_stream_leaves_every_result_bit_for_bit(m, n):
     """The side stream (kernels.GemmSide: the step's adapter matrices, fetched while the GEMM multiplies) is only
     prefetched: the results are the same bits with and without it, and the memory it names is left as it was,
     whether its lines are fewer than the GEMM's k steps, many times more, split over ranges of a line or less, or
-    over more rows than one pass over the weights takes."""
+    over more rows than one pass over the weights takes; with panels that share out over two threads and with 9
+    (AVX-512) that do not, where a GEMM with a side stream splits its rows (gemm_row_unit)."""
     from kernels import GemmSide
 
-    g = torch.Generator().manual_seed(m)
-    k, n = 1100, 200  # AVX2: K in two chunks
+    g = torch.Generator().manual_seed(m + n)
+    k = 1100  # AVX2: K in two chunks
     w, x, bias = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     residual = torch.randn(m, n, generator=g)
     packed = gemm_pack(w)
