@@ -588,11 +588,8 @@ void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, cons
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_CHUNK) {
         const int64_t rows = min64(GEMM_M_CHUNK, M - m0);
         const int by_rows = gemm_split_rows(panels, rows, th);
-#ifdef GEMM_NO_MIXED
-        const int mixed = 0;
-#else
+        /* the row split's shares with each panel read by one thread, where no side stream rides on this pass */
         const int mixed = by_rows && !(side_lines > 0 && m0 == 0) && rows >= th;
-#endif
         const int64_t units = by_rows ? th : min64(panels, th);
         if (!by_rows) gemm_spans_init(spans, panels, units);
         gemm_args a = {rows, K, N, ldx, ldo, units, x + m0 * ldx, wp, bias,
