@@ -109,27 +109,26 @@ def measure_rates(cfg, rows: int, *, repeats: int = 5, layers: int | None = None
     per_layer = layer_shapes(cfg)
     head = ("lm_head", cfg.hidden_size, cfg.vocab_size)
     shapes = [(name, n, o, n_layers) for name, n, o in per_layer] + [(*head, 1)]
-    # the pass's calls in order: (shape, weight) for every layer's four GEMMs, then the head
-    order = [(name, torch.randn(o, n, generator=g) / n ** 0.5) for _ in range(n_layers) for name, n, o in per_layer]
-    order.append((head[0], torch.randn(head[2], head[1], generator=g) / head[1] ** 0.5))
+    # the pass's calls in order: (shape, in_features, weight) for every layer's four GEMMs, then the head
+    order = [(name, n, torch.randn(o, n, generator=g) / n ** 0.5) for _ in range(n_layers) for name, n, o in per_layer]
+    order.append((head[0], head[1], torch.randn(head[2], head[1], generator=g) / head[1] ** 0.5))
     made = {"F.linear": lambda w: Projection(w), "onednn": lambda w: Projection(w, onednn=True),
             "onednn_packed": lambda w: Projection(w, pack_rows=rows), OWN_IMPL: lambda w: Projection(w, native=True)}
-    passes = {impl: [(name, made[impl](w)) for name, w in order] for impl in timed_impls}
+    passes = {impl: [(name, n, made[impl](w)) for name, n, w in order] for impl in timed_impls}
     if huge_pages:  # on 2 MB pages, as the runner keeps its weights (inference_worker.huge_pages)
         collapse_resident_memory()
     # one input per width, as in a forward pass (q/k/v, gate/up and the head read the hidden state)
-    x_of = {n: torch.randn(rows, n, generator=g) for _, n, _, _ in shapes}
-    xs = {name: x_of[n] for name, n, _, _ in shapes}
-    for impl in timed_impls:  # warm-up: first-call costs (oneDNN primitive creation) are not the rate
-        for name, *_ in shapes:
-            next(proj for s, proj in passes[impl] if s == name)(xs[name])
+    xs = {n: torch.randn(rows, n, generator=g) for _, n, _, _ in shapes}
+    for impl in timed_impls:  # warm-up, every shape once: first-call costs (oneDNN primitive creation) are not the rate
+        for _, n, proj in passes[impl][:len(per_layer)] + passes[impl][-1:]:
+            proj(xs[n])
     best_t: dict[tuple[str, str], float] = {}
     for _ in range(repeats):
         for impl in timed_impls:
             spent = dict.fromkeys((name for name, *_ in shapes), 0.0)
-            for name, proj in passes[impl]:
+            for name, n, proj in passes[impl]:
                 t = time.perf_counter()
-                proj(xs[name])
+                proj(xs[n])
                 spent[name] += time.perf_counter() - t
             for name, dt in spent.items():
                 best_t[name, impl] = min(best_t.get((name, impl), float("inf")), dt)

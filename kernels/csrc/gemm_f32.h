@@ -507,16 +507,22 @@ static void gemm_unit(const void *vp, int64_t u) {
  * median of 9, 1.026-1.067) and mid's 1.037x (its panels share out evenly: that is the blocks alone). Unit 0 carries
  * the side stream, spread over its own calls. Since 2026-12-06 it runs only where a side stream or a fused LoRA term
  * rides on the GEMM; elsewhere gemm_mixed_unit takes that work with each panel read by one thread. */
-static void gemm_row_unit(const void *vp, int64_t u) {
-    const gemm_args *a = (const gemm_args *)vp;
-    const int64_t panels = (a->N + GEMM_NR - 1) / GEMM_NR;
-    const int64_t r0 = u * a->M / a->units, r1 = (u + 1) * a->M / a->units;
-    if (r0 >= r1) return;
+/* The call's rows [r0, r1) as a call of their own (a row split's part). */
+static gemm_args gemm_rows_part(const gemm_args *a, int64_t r0, int64_t r1) {
     gemm_args part = *a;
     part.M = r1 - r0;
     part.x = a->x + r0 * a->ldx;
     part.out = a->out + r0 * a->ldo;
     part.row0 = a->row0 + r0;
+    return part;
+}
+
+static void gemm_row_unit(const void *vp, int64_t u) {
+    const gemm_args *a = (const gemm_args *)vp;
+    const int64_t panels = (a->N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t r0 = u * a->M / a->units, r1 = (u + 1) * a->M / a->units;
+    if (r0 >= r1) return;
+    gemm_args part = gemm_rows_part(a, r0, r1);
     part.side_lines = u == 0 ? a->side_lines : 0;
     part.side_calls = panels * ((part.M + GEMM_MR - 1) / GEMM_MR) * gemm_k_chunks(a->K);
     for (int64_t p = 0; p < panels; p++) gemm_panel(&part, p, p + 1 < panels ? p + 1 : -1);
@@ -543,12 +549,8 @@ static void gemm_mixed_unit(const void *vp, int64_t u) {
             gemm_panel(a, p, next);
         } else {
             const int64_t r0 = h * a->M / th, r1 = h1 * a->M / th;
-            gemm_args part = *a;
-            part.M = r1 - r0;
-            part.x = a->x + r0 * a->ldx;
-            part.out = a->out + r0 * a->ldo;
-            part.row0 = a->row0 + r0;
-            if (part.M > 0) gemm_panel(&part, p, next);
+            const gemm_args part = gemm_rows_part(a, r0, r1);
+            if (r1 > r0) gemm_panel(&part, p, next);
         }
         i += h1 - h;
     }
@@ -588,14 +590,12 @@ void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, cons
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_CHUNK) {
         const int64_t rows = min64(GEMM_M_CHUNK, M - m0);
         const int by_rows = gemm_split_rows(panels, rows, th);
-        /* the row split's shares with each panel read by one thread, where no side stream rides on this pass */
-        const int mixed = by_rows && !(side_lines > 0 && m0 == 0) && rows >= th;
-        const int64_t units = by_rows ? th : min64(panels, th);
+        const int64_t units = by_rows ? th : min64(panels, th), pass_side = m0 ? 0 : side_lines;
         if (!by_rows) gemm_spans_init(spans, panels, units);
         gemm_args a = {rows, K, N, ldx, ldo, units, x + m0 * ldx, wp, bias,
-                       out + m0 * ldo, acc, NULL, 0, side_base, side_ranges, side_n, m0 ? 0 : side_lines, side_calls,
-                       spans};
-        parallel_for_team(mixed ? gemm_mixed_unit : by_rows ? gemm_row_unit : gemm_unit, &a, units, nthreads);
+                       out + m0 * ldo, acc, NULL, 0, side_base, side_ranges, side_n, pass_side, side_calls, spans};
+        /* a row split's shares with each panel read by one thread (mixed), unless a side stream rides on this pass */
+        parallel_for_team(!by_rows ? gemm_unit : pass_side ? gemm_row_unit : gemm_mixed_unit, &a, units, nthreads);
     }
 }
 
