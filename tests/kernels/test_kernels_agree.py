@@ -139,12 +139,14 @@ def test_a_single_token_with_the_largest_rank(aligned):
         assert_close_scaled(add_lora(fused.clone(), x, buffer, table, mapping, scales, backend=backend), expected)
 
 
-@pytest.mark.parametrize(("d_in", "d_out"), [(576, 576), (576, 192), (37, 100), (1536, 200), (64, 1040)])
+@pytest.mark.parametrize(("d_in", "d_out"), [(576, 576), (576, 192), (37, 100), (1536, 200), (64, 1040), (64, 120),
+                                             (96, 56)])
 def test_prompt_segments_on_real_widths(d_in, d_out):
     """The CPU path's long-segment blocks (AVX-512: 4 rows x 6 tokens for the shrink, 4 tokens x 96 columns for the
     expand) on projection widths the random layouts stay below: whole 96-column tiles, a tile of 1-5 vectors after
     them ending mid-vector, d_in short of a 16-float vector, prompt segments of every token-block tail and ranks
-    that are not multiples of the row block, beside decode segments of 1 and 2 tokens."""
+    that are not multiples of the row block, beside decode segments of 1 and 2 tokens, whose expand takes 64, 48,
+    32, 16 and 8 columns at a time (120: 64 + 48 + 8 for one token, 3 x 32 + 16 + 8 for two; 56: 48 + 8, 32 + 16 + 8)."""
     runs = [(0, 38), (1, 1), (2, 13), (3, 2), (4, 7), (1, 3), (0, 5)]
     slots = [s for s, n in runs for _ in range(n)]
     case = Case(slots, [8, 5, 32, 1, 19], d_in, d_out, torch.float32, d_in + d_out, False, (3, 5))
