@@ -304,6 +304,9 @@ static void gemm_rows(int64_t K, const float *x, int64_t ldx, const float *b, fl
 #if defined(GEMM_NATIVE)
 #define GEMM_MAX_UNITS 64
 
+/* The panels of a width of N columns (the last one narrower where N is not a multiple of GEMM_NR) */
+static inline int64_t gemm_panels(int64_t N) { return (N + GEMM_NR - 1) / GEMM_NR; }
+
 /* K in chunks of at most GEMM_KC (even sizes): a chunk's rows of x stay in L1 and its part of the panel in L2 */
 static inline int64_t gemm_k_chunks(int64_t K) { return K > GEMM_KC ? (K + GEMM_KC - 1) / GEMM_KC : 1; }
 
@@ -495,6 +498,16 @@ static void gemm_unit(const void *vp, int64_t u) {
     }
 }
 
+/* The call's rows [r0, r1) as a call of their own (a row split's part). */
+static gemm_args gemm_rows_part(const gemm_args *a, int64_t r0, int64_t r1) {
+    gemm_args part = *a;
+    part.M = r1 - r0;
+    part.x = a->x + r0 * a->ldx;
+    part.out = a->out + r0 * a->ldo;
+    part.row0 = a->row0 + r0;
+    return part;
+}
+
 /* Unit u of a row split: rows [u * M / units, (u + 1) * M / units) against every panel, front to back, each
  * prefetching the next (and a fused LoRA term's expand of those rows after each). Taken where the panels do not share
  * out evenly over the threads and the rows share out better (gemm_split_rows): SmolLM2's q/k/v (N 960) and its o and
@@ -507,19 +520,9 @@ static void gemm_unit(const void *vp, int64_t u) {
  * median of 9, 1.026-1.067) and mid's 1.037x (its panels share out evenly: that is the blocks alone). Unit 0 carries
  * the side stream, spread over its own calls. Since 2026-12-06 it runs only where a side stream or a fused LoRA term
  * rides on the GEMM; elsewhere gemm_mixed_unit takes that work with each panel read by one thread. */
-/* The call's rows [r0, r1) as a call of their own (a row split's part). */
-static gemm_args gemm_rows_part(const gemm_args *a, int64_t r0, int64_t r1) {
-    gemm_args part = *a;
-    part.M = r1 - r0;
-    part.x = a->x + r0 * a->ldx;
-    part.out = a->out + r0 * a->ldo;
-    part.row0 = a->row0 + r0;
-    return part;
-}
-
 static void gemm_row_unit(const void *vp, int64_t u) {
     const gemm_args *a = (const gemm_args *)vp;
-    const int64_t panels = (a->N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t panels = gemm_panels(a->N);
     const int64_t r0 = u * a->M / a->units, r1 = (u + 1) * a->M / a->units;
     if (r0 >= r1) return;
     gemm_args part = gemm_rows_part(a, r0, r1);
@@ -539,7 +542,7 @@ static void gemm_row_unit(const void *vp, int64_t u) {
  * down 192.1 -> 230.7; from L2 the row split ran 252-273). Each output element's sum is the same either way. */
 static void gemm_mixed_unit(const void *vp, int64_t u) {
     const gemm_args *a = (const gemm_args *)vp;
-    const int64_t th = a->units, panels = (a->N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t th = a->units, panels = gemm_panels(a->N);
     const int64_t i1 = (u + 1) * panels;
     for (int64_t i = u * panels; i < i1;) {
         const int64_t p = i / th, h = i % th;
@@ -580,7 +583,7 @@ static void gemm_spans_init(_Atomic uint64_t *spans, int64_t panels, int64_t uni
 void gemm_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, const float *wp, const float *bias,
               float *out, int64_t ldo, int acc, int nthreads, const char *side_base, const int64_t *side_ranges,
               int64_t side_n) {
-    const int64_t panels = (N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t panels = gemm_panels(N);
     int64_t side_lines = 0;
     for (int64_t i = 0; side_ranges && i < side_n; i++) side_lines += (side_ranges[2 * i + 1] + 63) / 64;
     /* spread over the first pass's calls (one pass over the weights up to GEMM_M_CHUNK rows) */
@@ -636,7 +639,7 @@ int gemm_lora_f32(int64_t M, int64_t K, int64_t N, const float *x, int64_t ldx, 
     for (int64_t pi = 0; pi < nproj; pi++) units += projs[pi].G;
     const gemm_lora_shrink_args sa = {&L, x, ldx, K};
     if (units) parallel_for_team(gemm_lora_shrink_unit, &sa, units, nthreads);
-    const int64_t panels = (N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t panels = gemm_panels(N);
     const int64_t th = min64(nthreads > 1 ? nthreads : 1, GEMM_MAX_UNITS);
     const int by_rows = gemm_split_rows(panels, M, th);
     const int64_t gu = by_rows ? th : min64(panels, th);
