@@ -95,6 +95,12 @@ class GenerationJob:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM/HF's, on prompt and generated tokens; 1 = off
     logit_bias: list[list] = field(default_factory=list)  # [[token_id, bias], ...]
+    # The tenant's share weight (Tenant.share_weight, admin): when tenants compete for the worker's running
+    # sequences and KV blocks, each is entitled to weight / (sum of the competing tenants' weights) of them.
+    tenant_weight: float = 1.0
+    # Scopes the prefix cache further than (tenant, adapter): requests with different salts never share cached
+    # KV blocks (vLLM's `cache_salt`; e.g. one salt per end user of a tenant).
+    cache_salt: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # asdict recurses: the adapter becomes AdapterRef.to_dict()'s dict
@@ -176,6 +182,8 @@ class GenerationResult:
     # Empty from workers that predate n: then choice 0 is the fields above (see all_choices).
     choices: list[Choice] = field(default_factory=list)
     prompt_logprobs: list[dict] | None = None  # per prompt token, as in Choice.logprobs; the first's logprob is None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
+    preemptions: int = 0  # times a sequence of this request was preempted and recomputed (answer unchanged)
 
     def __post_init__(self) -> None:
         # A code given or read as a string becomes its ErrorCode; one this side does not know (a newer
