@@ -40,7 +40,8 @@ class ApiErrorsMiddleware:
 
 
 class LoginThrottleMiddleware:
-    """Refuses a login POST for a (username, address) pair that failed too often (gateway/login_limits.py).
+    """Refuses a login POST for a (username, address) pair, or from an address, that failed too often
+    (gateway/login_limits.py).
 
     Listed after CsrfViewMiddleware, so a forged cross-site POST is refused before it counts for anything."""
 
@@ -56,6 +57,6 @@ class LoginThrottleMiddleware:
             return None
         seconds = login_limits.retry_after(request, request.POST.get("username", ""))
         if seconds:
-            log.warning("login refused: too many failures for one username from %s", request.META.get("REMOTE_ADDR"))
+            log.warning("login refused: too many failures from %s", request.META.get("REMOTE_ADDR"))
             return login_limits.locked_out_response(request, seconds)
         return None

@@ -96,3 +96,52 @@ def test_the_counters_are_shared_through_redis(world, monkeypatch, settings, red
         assert not any(b"alice" in key for key in first._redis.scan_iter("lorafleet:fail:*"))  # hashed keys
     finally:
         forget()
+
+
+def test_one_address_trying_many_usernames_is_locked_for_every_username(world, store, client, settings):
+    """Credential stuffing: a few passwords on each of many usernames, every pair under its own limit. After
+    LORAFLEET_LOGIN_MAX_FAILURES_PER_ADDRESS failures in all, the address gets the same 429 + Retry-After for any
+    username, a right password included; another address is not affected, and a success does not reset it."""
+    settings.LORAFLEET_LOGIN_MAX_FAILURES_PER_ADDRESS = 2 * (N - 1) + 1
+    stuffed = ["alice", "bob", "nobody-1", "nobody-2"]
+    failures = 0
+    for name in stuffed[:2]:
+        for attempt in range(N - 1):  # under the per-(username, address) limit
+            assert login(client, name, f"wrong-{attempt}").status_code == 200
+            failures += 1
+    assert login(client, "charlie", "charlie-password-1").status_code == 302  # a success resets nothing...
+    client.logout()
+    assert login(client, "nobody-1", "wrong").status_code == 200
+    failures += 1
+    assert failures == settings.LORAFLEET_LOGIN_MAX_FAILURES_PER_ADDRESS
+    r = login(client, "charlie", "charlie-password-1")  # ...so the address is locked now, for charlie too
+    assert r.status_code == 429 and "_auth_user_id" not in client.session
+    assert 590 <= int(r["Retry-After"]) <= 600
+    assert b"Too many failed logins from your address" in r.content
+    assert login(client, "nobody-2", "whatever").status_code == 429  # a username it never tried
+    assert login(Client(), "charlie", "charlie-password-1", address="198.51.100.9").status_code == 302
+
+
+def test_the_address_lock_counts_in_redis_too(world, monkeypatch, settings, redis_url):
+    """Several web processes share the address count: failures spread over two processes lock the address."""
+    settings.LORAFLEET_LOGIN_MAX_FAILURES = N
+    settings.LORAFLEET_LOGIN_MAX_FAILURES_PER_ADDRESS = N + 1
+    settings.LORAFLEET_LOGIN_LOCKOUT_S = 600
+    first = limits.RedisCounters(redis_url)
+
+    def forget():
+        for key in first._redis.scan_iter("lorafleet:fail:login:*"):
+            first._redis.delete(key)
+
+    forget()
+    monkeypatch.setattr(limits, "_counters", first)
+    try:
+        for name in ("alice", "bob"):
+            login(Client(), name, "wrong", address="192.0.2.55")
+        monkeypatch.setattr(limits, "_counters", limits.RedisCounters(redis_url))  # "another process"
+        for name in ("nobody-1", "nobody-2"):
+            assert login(Client(), name, "wrong", address="192.0.2.55").status_code == 200
+        r = login(Client(), "charlie", "charlie-password-1", address="192.0.2.55")
+        assert r.status_code == 429 and 590 <= int(r["Retry-After"]) <= 600
+    finally:
+        forget()
