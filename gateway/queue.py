@@ -1,7 +1,7 @@
 """The queue client: publish a job on its base model's Celery queue, then read the worker's replies.
 
 This is the only place the web process talks to workers, and it talks only through the broker and the
-reply channel (inference_worker.replies). Publishing fails fast: one connection attempt with a 1 s
+reply channel (transport.replies). Publishing fails fast: one connection attempt with a 1 s
 timeout and no publish retries, so a broker that is down becomes a 503 within about a second instead
 of a hang.
 
@@ -17,8 +17,8 @@ import logging
 from collections.abc import Iterator
 from typing import Protocol
 
-from inference_worker.replies import ChannelUnavailable, ReplyTimeout, ensure_local_folders, reply_channel
 from protocol.jobs import GenerationJob
+from transport.replies import ChannelUnavailable, ReplyTimeout, ensure_local_folders, reply_channel
 
 from .routing import Route, Router, RoutingUnavailable
 

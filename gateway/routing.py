@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from inference_worker.replies import ChannelUnavailable, pool_queue, reply_channel
+from transport.replies import ChannelUnavailable, pool_queue, reply_channel
 
 LIVE_CACHE_S = 1.0  # how long one web process reuses the list of live workers
 TENANT_CACHE_S = 2.0  # how long a tenant's dedicated setting is reused (a change applies within this)

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from .replies import heartbeat_key
+from transport.replies import heartbeat_key
 
 log = logging.getLogger(__name__)
 

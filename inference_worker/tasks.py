@@ -6,7 +6,7 @@ reliable consumer, inference_worker/consumer.py; on the embedded default by Cele
   back to the pool's queue once its heartbeat expires, and another worker runs it.
 - A job whose final answer was already pushed (its worker died between answering and acknowledging)
   is acknowledged without running again: a request is never answered twice.
-- Each delivery counts an attempt (inference_worker.replies, keyed by request id). Past
+- Each delivery counts an attempt (transport.replies, keyed by request id). Past
   `max_attempts` the job is not run again: it is answered `worker_lost`, so a request that kills
   workers ends as a recorded failure instead of looping through the fleet.
 - A job whose caller has given up (deadline passed or cancelled) is answered without being run.
@@ -47,7 +47,8 @@ def _error(job: GenerationJob, code: ErrorCode, message: str) -> GenerationResul
 
 @shared_task(name="lorafleet.generate", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def generate(self, job_dict: dict, meta_dict: dict) -> None:
-    from .replies import reply_channel
+    from transport.replies import reply_channel
+
     from .worker import get_runtime
 
     job, meta = GenerationJob.from_dict(job_dict), JobMeta.from_dict(meta_dict)

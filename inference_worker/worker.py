@@ -341,7 +341,7 @@ def beat_once(runtime: WorkerRuntime) -> None:
     """One heartbeat: the status (or a minimal one if the engine cannot say), then the consumer's registration
     and a reaping pass. Order matters: a worker is registered only while its heartbeat exists, so no reaper
     ever takes the jobs of a worker that is starting."""
-    from .replies import reply_channel
+    from transport.replies import reply_channel
 
     try:
         status = runtime.status()

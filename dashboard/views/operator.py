@@ -12,7 +12,7 @@ from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from inference_worker.replies import ChannelUnavailable, reply_channel
+from transport.replies import ChannelUnavailable, reply_channel
 
 
 def _mb(n) -> str:

@@ -13,8 +13,8 @@ from adapters.manifest import shape_manifest_from_checkpoint
 from adapters.models import BaseModel
 from demo.tiny_base import build_tiny_base
 from gateway import limits, queue
-from inference_worker.replies import ReplyTimeout
 from protocol.jobs import GenerationResult
+from transport.replies import ReplyTimeout
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def heartbeat(settings, tmp_path):
     """A worker's heartbeat in the embedded default's file store, as inference_worker.worker publishes it."""
-    from inference_worker import replies
+    from transport import replies
 
     settings.VAR_DIR = tmp_path
     settings.CELERY_BROKER_URL = "filesystem://"

@@ -25,8 +25,8 @@ from inference_worker.consumer import (
     decode_task_message,
     processing_key,
 )
-from inference_worker.replies import RedisChannel, heartbeat_key
 from tests.e2e.conftest import REPO, wait_until
+from transport.replies import RedisChannel, heartbeat_key
 
 POOL = "t.pool"
 
@@ -52,7 +52,7 @@ import sys, threading, time, pathlib
 sys.path.insert(0, {repo!r})
 import redis
 from inference_worker.consumer import ReliableConsumer
-from inference_worker.replies import heartbeat_key
+from transport.replies import heartbeat_key
 url, marker = {url!r}, pathlib.Path({marker!r})
 r = redis.Redis.from_url(url)
 def task(n):

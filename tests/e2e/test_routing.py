@@ -7,7 +7,7 @@ import pytest
 
 from gateway import routing
 from gateway.routing import Route, Router, RoutingConfig, choose, rendezvous_order
-from inference_worker.replies import own_queue, pool_queue
+from transport.replies import own_queue, pool_queue
 
 KEYS = [f"adapter-{i}" for i in range(3000)]
 

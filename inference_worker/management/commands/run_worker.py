@@ -22,8 +22,8 @@ from django.db import connections
 
 from adapters.models import BaseModel
 from inference_worker import worker
-from inference_worker.replies import ensure_local_folders, own_queue, pool_queue
 from tenants.models import Tenant
+from transport.replies import ensure_local_folders, own_queue, pool_queue
 
 STOP_GRACE_S = 50  # in-flight generations finish on SIGTERM (compose's stop_grace_period is 60 s)
 

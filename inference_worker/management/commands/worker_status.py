@@ -12,7 +12,7 @@ import time
 
 from django.core.management.base import BaseCommand
 
-from inference_worker.replies import reply_channel
+from transport.replies import reply_channel
 
 
 class Command(BaseCommand):
