@@ -17,6 +17,13 @@ adapter_name_validator = RegexValidator(
 sha256_validator = RegexValidator(r"^[0-9a-f]{64}$", "A sha256 is 64 lowercase hex characters.")
 
 
+class BaseModelQuerySet(models.QuerySet):
+    def usable_by(self, tenant) -> BaseModelQuerySet:
+        """The bases `tenant` may use: the one rule behind the API (a base it may not use is a 404, as if it did
+        not exist) and every page that lists bases to its users (capacity planner, new-adapter form)."""
+        return self if tenant.may_use_base else self.none()
+
+
 class BaseModel(models.Model):
     """A base checkpoint that adapters attach to; one Celery queue (and worker fleet) per base."""
 
@@ -30,6 +37,8 @@ class BaseModel(models.Model):
     max_lora_rank = models.PositiveIntegerField(default=64)
     queue_name = models.CharField(max_length=100, unique=True)
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = BaseModelQuerySet.as_manager()
 
     class Meta:
         ordering = ["slug"]

@@ -21,13 +21,16 @@ from tenants.models import Role
 class AdapterCreateForm(forms.Form):
     name = forms.CharField(max_length=64, validators=[adapter_name_validator],
                            help_text="Clients call it by this name (the `model` field). Letters, digits, . _ -")
-    base = forms.ModelChoiceField(queryset=BaseModel.objects.all(), empty_label=None,
+    # Only the bases the tenant may use are offered, and only they are accepted (another is "not a valid choice",
+    # as one that does not exist).
+    base = forms.ModelChoiceField(queryset=BaseModel.objects.none(), empty_label=None,
                                   help_text="Every version of this adapter must fit this base model's shapes.")
     description = forms.CharField(max_length=500, required=False, widget=forms.Textarea(attrs={"rows": 2}))
 
     def __init__(self, *args, tenant, **kwargs):
         super().__init__(*args, **kwargs)
         self.tenant = tenant
+        self.fields["base"].queryset = BaseModel.objects.usable_by(tenant)
 
     def clean_name(self):
         name = self.cleaned_data["name"]
@@ -90,7 +93,8 @@ DTYPE_CHOICES = [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp8", "
 
 
 class CapacityForm(forms.Form):
-    """Inputs of adapters.capacity.plan_capacity. `model` is "preset:<name>" or "base:<slug>"."""
+    """Inputs of adapters.capacity.plan_capacity. `model` is "preset:<name>" or "base:<slug>" of a base the tenant
+    may use (the published presets are for everyone)."""
 
     model = forms.ChoiceField(label="Base model")
     rank = forms.IntegerField(min_value=1, max_value=1024, initial=16)
@@ -101,17 +105,18 @@ class CapacityForm(forms.Form):
     gpu_gb = forms.FloatField(min_value=0.5, max_value=10_000, initial=80, label="GPU memory (GB)")
     context_len = forms.IntegerField(min_value=1, max_value=10_000_000, initial=4096, label="Context length")
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tenant, **kwargs):
         super().__init__(*args, **kwargs)
+        self.bases = BaseModel.objects.usable_by(tenant)
         choices = [(f"preset:{name}", name) for name in capacity.PRESET_NAMES]
-        choices += [(f"base:{b.slug}", f"{b.display_name} (registered)") for b in BaseModel.objects.all()]
+        choices += [(f"base:{b.slug}", f"{b.display_name} (registered)") for b in self.bases]
         self.fields["model"].choices = choices
         self.fields["model"].initial = choices[0][0]
 
     def manifest(self) -> tuple[str, dict]:
         kind, _, name = self.cleaned_data["model"].partition(":")
         if kind == "base":
-            base = BaseModel.objects.get(slug=name)
+            base = self.bases.get(slug=name)
             return base.display_name, base.shape_manifest
         return name, capacity.preset_manifest(name)
 

@@ -97,7 +97,7 @@ def _resolve_version(adapter: Adapter, number: int | None, model: str) -> Target
 
 
 def _resolve_base(tenant, model: str) -> Target:
-    base = BaseModel.objects.filter(slug=model[len(BASE_PREFIX):]).first() if tenant.may_use_base else None
+    base = BaseModel.objects.usable_by(tenant).filter(slug=model[len(BASE_PREFIX):]).first()
     if base is None:
         raise adapter_not_found(model)
     return Target(base=base)

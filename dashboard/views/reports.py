@@ -78,9 +78,9 @@ def _uuid_or_none(value: str):
 
 @tenant_view
 def capacity_page(request: HttpRequest) -> HttpResponse:
-    form = CapacityForm(request.GET or None)
+    form = CapacityForm(request.GET or None, tenant=request.tenant)
     if not form.is_bound:  # a first visit shows the default plan rather than an empty page
-        form = CapacityForm({name: field.initial for name, field in form.fields.items()})
+        form = CapacityForm({name: field.initial for name, field in form.fields.items()}, tenant=request.tenant)
     plan = table = chart = None
     error = None
     if form.is_valid():
