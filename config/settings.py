@@ -229,7 +229,10 @@ CELERY_RESULT_EXPIRES = 3600
 LORAFLEET_MAX_UPLOAD_BYTES = env_int("LORAFLEET_MAX_UPLOAD_BYTES", 1024 * 1024 * 1024)
 LORAFLEET_DEFAULT_MAX_RANK = env_int("LORAFLEET_DEFAULT_MAX_RANK", 64)
 LORAFLEET_REQUEST_TIMEOUT_S = env_float("LORAFLEET_REQUEST_TIMEOUT_S", 60.0)
-LORAFLEET_MAX_TOKENS_CAP = env_int("LORAFLEET_MAX_TOKENS_CAP", 1024)
+# The most tokens one request may ask for. 0 (the default): the base's context, so a chat request without
+# max_tokens generates until a stop or the context, as OpenAI's does (gateway/prompts.py); a value caps both an
+# explicit max_tokens (a larger one is a 400) and that default.
+LORAFLEET_MAX_TOKENS_CAP = env_int("LORAFLEET_MAX_TOKENS_CAP", 0)
 # A worker's task threads = the jobs it holds at once; its engine runs up to LORAFLEET_WORKER_MAX_RUNNING of
 # them and queues the rest, in fair order (VTC). The threads are twice a tenant's default concurrency cap, so one
 # tenant at its cap never holds every thread: another tenant's job still reaches the engine's scheduler instead

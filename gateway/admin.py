@@ -14,7 +14,7 @@ CSV_FIELDS = [
     "request_id", "created_at", "finished_at", "route", "tenant_id", "key_prefix", "adapter_name", "version_number",
     "expected_sha256", "weights_sha256", "adapter_identity", "adapter_dtype", "base_slug", "base_sha256", "worker_id",
     "status", "http_status", "error_code", "finish_reason", "attempts", "prompt_tokens", "completion_tokens", "queue_seconds",
-    "first_token_seconds", "total_seconds",
+    "first_token_seconds", "total_seconds", "cached_tokens", "preemptions",
 ]
 
 
@@ -29,7 +29,8 @@ class AuditRecordAdmin(ReadOnlyAdmin):
 
     list_display = [
         "request_id", "created_at", "tenant", "adapter_name", "version_number", "short_weights_sha256",
-        "status", "http_status", "error_code", "completion_tokens", "total_seconds",
+        "status", "http_status", "error_code", "prompt_tokens", "cached_tokens", "completion_tokens", "preemptions",
+        "total_seconds",
     ]
     list_filter = ["tenant", "adapter", "version", "status", "base_model", "adapter_dtype", "error_code",
                    ("created_at", admin.DateFieldListFilter)]

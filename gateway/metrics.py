@@ -32,6 +32,17 @@ LATENCY = Histogram(
 )
 IN_FLIGHT = Gauge("lorafleet_http_requests_in_flight", "Inference API requests being answered now.")
 ENQUEUED = Counter("lorafleet_jobs_enqueued_total", "Jobs published to a base model's queue.", ["base"])
+# The prefix cache's hit rate: rate(lorafleet_prompt_tokens_cached_total) / rate(lorafleet_prompt_tokens_total).
+PROMPT_TOKENS = Counter("lorafleet_prompt_tokens_total", "Prompt tokens of answered requests, by base model.", ["base"])
+CACHED_PROMPT_TOKENS = Counter(
+    "lorafleet_prompt_tokens_cached_total", "Prompt tokens of answered requests whose KV came from the worker's prefix "
+    "cache, by base model.", ["base"])
+
+
+def observe_prompt(base: str, result) -> None:
+    """Count an answered request's prompt tokens, and those the worker's prefix cache held."""
+    PROMPT_TOKENS.labels(base=base).inc(max(result.prompt_tokens, 0))
+    CACHED_PROMPT_TOKENS.labels(base=base).inc(max(result.cached_tokens, 0))
 
 
 def tenant_labels() -> bool:

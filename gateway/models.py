@@ -90,6 +90,14 @@ class AuditRecord(models.Model):
         null=True, blank=True, help_text="Whether the caller got logprobs; set once, when the record is final.")
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     completion_tokens = models.PositiveIntegerField(null=True, blank=True, help_text="Tokens of every choice.")
+    # db_default: a web process of the previous release, still running during a deploy, inserts rows without them
+    cached_tokens = models.PositiveIntegerField(
+        default=0, db_default=0,
+        help_text="Prompt tokens whose KV came from the worker's prefix cache (usage.prompt_tokens_details).")
+    preemptions = models.PositiveIntegerField(
+        default=0, db_default=0,
+        help_text="Times the worker preempted a sequence of this request to share the worker fairly and recomputed "
+                  "it; the answer is the same as without.")
     queue_seconds = models.FloatField(null=True, blank=True)
     first_token_seconds = models.FloatField(null=True, blank=True)
     total_seconds = models.FloatField(null=True, blank=True)

@@ -18,8 +18,8 @@ from .errors import invalid, request_too_large
 COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-    # lorafleet extensions (vLLM's names)
-    "top_k", "ignore_eos", "repetition_penalty", "return_tokens_as_token_ids",
+    # lorafleet extensions (vLLM's names); cache_salt scopes the prefix cache (see parse_cache_salt)
+    "top_k", "ignore_eos", "repetition_penalty", "return_tokens_as_token_ids", "cache_salt",
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -29,12 +29,16 @@ MAX_N = 8
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs` (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # /v1/chat/completions `top_logprobs`
 MAX_LOGIT_BIAS = 300
+MAX_CACHE_SALT = 256  # characters
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's legacy default)
 
 
 @dataclass
 class GenerationParams:
     model: str
-    max_tokens: int
+    # None: chat without max_tokens / max_completion_tokens, "until a stop or the context": the gateway sets it
+    # once the base and the prompt's length are known (gateway/prompts.py, count_and_check).
+    max_tokens: int | None
     temperature: float
     top_p: float
     top_k: int
@@ -54,6 +58,8 @@ class GenerationParams:
     prompt: str | None = None  # completions
     prompt_token_ids: list[int] | None = None  # completions given token ids
     messages: list[dict[str, str]] = field(default_factory=list)  # chat
+    max_tokens_param: str = "max_tokens"  # the field the caller set it with (chat: or max_completion_tokens)
+    cache_salt: str = ""  # "": the prefix cache is scoped to (tenant, adapter) only
 
 
 def read_body(request) -> bytes:
@@ -90,7 +96,7 @@ def parse_completion(body: dict[str, Any]) -> GenerationParams:
     if body.get("suffix") not in (None, ""):
         raise invalid("suffix is not supported by this server (no fill-in-the-middle).", param="suffix",
                       code="unsupported_parameter")
-    params = _common(body, max_tokens_field="max_tokens")
+    params = _common(body, max_tokens_field="max_tokens", default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)
     best_of = body.get("best_of")
     if best_of is not None:
         if not _is_int(best_of) or best_of < 1:
@@ -129,7 +135,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationParams:
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is not None:
         raise invalid("Send max_completion_tokens or max_tokens, not both.", param="max_completion_tokens")
     which = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    params = _common(body, max_tokens_field=which)
+    params = _common(body, max_tokens_field=which, default_max_tokens=None)  # OpenAI's: up to the context
     wants = _bool(body, "logprobs")
     top = body.get("top_logprobs")
     if top is not None:
@@ -163,14 +169,16 @@ def _message_text(content: Any, i: int) -> str:
     raise invalid(f"messages[{i}].content must be a string or a list of text parts.", param=f"messages[{i}].content")
 
 
-def _common(body: dict[str, Any], *, max_tokens_field: str) -> GenerationParams:
+def _common(body: dict[str, Any], *, max_tokens_field: str, default_max_tokens: int | None) -> GenerationParams:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise invalid("model is required: the name of one of your adapters (`name` or `name@version`).",
                       param="model", code="missing_parameter")
-    cap = settings.LORAFLEET_MAX_TOKENS_CAP
-    max_tokens = _int(body, max_tokens_field, default=16, lo=1, hi=cap,
-                      why=f"at least 1 and at most {cap} (this server's cap)")
+    cap = max_tokens_cap()
+    max_tokens = min(default_max_tokens, cap or default_max_tokens) if default_max_tokens is not None else None
+    if body.get(max_tokens_field) is not None:  # without a cap, the base's context bounds it (count_and_check)
+        max_tokens = _int(body, max_tokens_field, default=0, lo=1, hi=cap or 2**31 - 1,
+                          why=f"at least 1 and at most {cap} (this server's cap)" if cap else "at least 1")
     temperature = _number(body, "temperature", default=1.0, lo=0.0, hi=2.0)
     top_p = _number(body, "top_p", default=1.0, lo=0.0, hi=1.0)
     if top_p <= 0.0:
@@ -192,7 +200,8 @@ def _common(body: dict[str, Any], *, max_tokens_field: str) -> GenerationParams:
     if repetition_penalty <= 0.0:
         raise invalid("repetition_penalty must be greater than 0 and at most 2 (1 = off).", param="repetition_penalty")
     return GenerationParams(
-        model=model.strip(), max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        model=model.strip(), max_tokens=max_tokens, max_tokens_param=max_tokens_field, temperature=temperature,
+        top_p=top_p, top_k=top_k, cache_salt=parse_cache_salt(body.get("cache_salt")),
         seed=seed, stop=_stop(body.get("stop")), stream=stream, include_usage=include_usage,
         ignore_eos=_bool(body, "ignore_eos"),
         n=_int(body, "n", default=1, lo=1, hi=MAX_N, why=f"from 1 to {MAX_N}"),
@@ -202,6 +211,23 @@ def _common(body: dict[str, Any], *, max_tokens_field: str) -> GenerationParams:
         logit_bias=_logit_bias(body.get("logit_bias")),
         tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),
     )
+
+
+def max_tokens_cap() -> int:
+    """LORAFLEET_MAX_TOKENS_CAP, or 0: no cap but the base's context (the default)."""
+    return max(int(settings.LORAFLEET_MAX_TOKENS_CAP or 0), 0)
+
+
+def parse_cache_salt(value: Any) -> str:
+    """vLLM's `cache_salt`: requests share cached prompt KV only when their salts are equal (within one tenant and
+    adapter, which the worker's prefix cache always separates). A tenant serving many end users can give each its
+    own salt, so that one user's latency cannot reveal which prompts another sent."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value or len(value) > MAX_CACHE_SALT:
+        raise invalid(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters.",
+                      param="cache_salt")
+    return _encodable(value, "cache_salt")
 
 
 def _logit_bias(value: Any) -> dict[int, float]:

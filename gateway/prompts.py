@@ -12,7 +12,7 @@ import threading
 from transformers import AutoTokenizer
 
 from .errors import ApiError, invalid
-from .params import GenerationParams
+from .params import GenerationParams, max_tokens_cap
 
 _lock = threading.Lock()
 _tokenizers: dict[tuple[str, str], object] = {}
@@ -47,8 +47,20 @@ def chat_prompt(base, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
+# What the worker assumes when a checkpoint's config names no context (inference_worker/model.py's ModelConfig).
+DEFAULT_CONTEXT = 2048
+
+
+def base_context(base) -> int:
+    """The base's context in tokens (its config's max_position_embeddings, in the shape manifest)."""
+    return int(base.shape_manifest.get("max_position_embeddings") or DEFAULT_CONTEXT)
+
+
 def count_and_check(base, params: GenerationParams, *, param: str) -> int:
-    """Number of prompt tokens; 400 `context_length_exceeded` when prompt + max_tokens cannot fit."""
+    """Number of prompt tokens; sets `params.max_tokens` where the caller left it open (chat without max_tokens:
+    OpenAI's "until a stop or the context", i.e. the context the prompt leaves, within LORAFLEET_MAX_TOKENS_CAP
+    if set); 400 `context_length_exceeded` when prompt + max_tokens cannot fit, and 400 naming max_tokens when
+    it alone is beyond the context (with no cap configured, the context is the cap)."""
     if params.prompt_token_ids is not None:
         n = len(params.prompt_token_ids)
         vocab = int(base.shape_manifest.get("vocab_size") or 0)
@@ -56,11 +68,20 @@ def count_and_check(base, params: GenerationParams, *, param: str) -> int:
             raise invalid(f"Prompt token ids must be below the vocabulary size {vocab}.", param=param)
     else:
         n = len(tokenizer_for(base).encode(params.prompt, add_special_tokens=True))
-    context = int(base.shape_manifest.get("max_position_embeddings") or 0)
-    if context and n + params.max_tokens > context:
+    context = base_context(base)
+    if params.max_tokens is None:  # chat without max_tokens: as much as the context leaves
+        if n >= context:
+            raise invalid(f"This model's context is {context} tokens and the prompt has {n}: no room is left for an "
+                          f"answer. Shorten the prompt.", param=param, code="context_length_exceeded")
+        params.max_tokens = min(context - n, max_tokens_cap() or context)
+        return n
+    if not max_tokens_cap() and params.max_tokens > context:  # the context is the cap (a set cap is checked in params)
+        raise invalid(f"{params.max_tokens_param} must be an integer, at least 1 and at most {context} (this model's "
+                      f"context); got {params.max_tokens}.", param=params.max_tokens_param)
+    if n + params.max_tokens > context:
         raise invalid(
-            f"This model's context is {context} tokens; the prompt has {n} and max_tokens asks for "
-            f"{params.max_tokens} more. Shorten the prompt or lower max_tokens.",
+            f"This model's context is {context} tokens; the prompt has {n} and {params.max_tokens_param} asks for "
+            f"{params.max_tokens} more. Shorten the prompt or lower {params.max_tokens_param}.",
             param=param, code="context_length_exceeded",
         )
     return n

@@ -62,9 +62,12 @@ def metadata_headers(meta: dict) -> dict[str, str]:
 
 
 def usage(result) -> dict:
-    """Prompt tokens once, completion tokens of every choice (the worker's completion_tokens sums them)."""
+    """Prompt tokens once, completion tokens of every choice (the worker's completion_tokens sums them), and in
+    OpenAI's `prompt_tokens_details.cached_tokens` the prompt tokens whose KV the worker's prefix cache held (a
+    prefix it had read for this tenant, adapter and cache_salt before)."""
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 def _byte_decoder() -> dict[str, int]:

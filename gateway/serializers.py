@@ -8,7 +8,10 @@ from rest_framework import serializers
 class _Common(serializers.Serializer):
     model = serializers.CharField(help_text="`name` (active version) or `name@N` of one of your adapters, or "
                                             "`base/<slug>` for the base model when your organisation may use it.")
-    max_tokens = serializers.IntegerField(required=False, min_value=1, default=16)
+    max_tokens = serializers.IntegerField(
+        required=False, min_value=1,
+        help_text="Completions: 16 when left out. Chat: until a stop or the model's context when left out. At most "
+                  "LORAFLEET_MAX_TOKENS_CAP when the server sets one.")
     temperature = serializers.FloatField(required=False, min_value=0, max_value=2, default=1.0)
     top_p = serializers.FloatField(required=False, min_value=0, max_value=1, default=1.0)
     top_k = serializers.IntegerField(required=False, min_value=0, default=0, help_text="lorafleet extension; 0 = off.")
@@ -28,6 +31,10 @@ class _Common(serializers.Serializer):
     return_tokens_as_token_ids = serializers.BooleanField(
         required=False, default=False, help_text='lorafleet extension (vLLM\'s): logprob tokens as "token_id:<id>".')
     user = serializers.CharField(required=False)
+    cache_salt = serializers.CharField(
+        required=False, max_length=256,
+        help_text="lorafleet extension (vLLM's): requests reuse each other's cached prompt prefix only with the same "
+                  "salt (the cache is always separate per organisation and adapter).")
 
 
 class CompletionRequest(_Common):
@@ -67,8 +74,13 @@ class Lorafleet(serializers.Serializer):
     worker_id = serializers.CharField(allow_null=True)
 
 
+class PromptTokensDetails(serializers.Serializer):
+    cached_tokens = serializers.IntegerField(help_text="Prompt tokens read from the worker's prefix cache.")
+
+
 class Usage(serializers.Serializer):
     prompt_tokens = serializers.IntegerField()
+    prompt_tokens_details = PromptTokensDetails()
     completion_tokens = serializers.IntegerField(help_text="Tokens of every choice.")
     total_tokens = serializers.IntegerField()
 

@@ -136,6 +136,8 @@ def build_job(draft: audit.AuditDraft, target: Target, params: GenerationParams)
         prompt_logprobs=params.logprobs if params.echo and params.logprobs is not None else None,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=[[t, b] for t, b in params.logit_bias.items()],
+        tenant_weight=float(draft.tenant.share_weight) if draft.tenant is not None else 1.0,
+        cache_salt=params.cache_salt,
     )
 
 
@@ -196,6 +198,7 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
         if not params.stream:
             audit.finalise(draft, ok=True, http_status=200, result=result, worker_id=worker_id, attempts=attempts,
                            logprobs_returned=params.logprobs is not None)
+            metrics.observe_prompt(target.base.slug, result)
             response = JsonResponse(shapes.full(result, meta_out))
             for name, value in metadata_headers(meta_out).items():
                 response[name] = value
@@ -313,6 +316,7 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
                 audit.finalise(draft, ok=True, http_status=200, result=result, worker_id=worker_id, attempts=attempts,
                                logprobs_returned=params.logprobs is not None)
                 finalised = True
+                metrics.observe_prompt(target.base.slug, result)
                 for c in done:
                     yield sse(shapes.chunk("", index=c.index, finish_reason=c.finish_reason, meta=meta))
                 if params.include_usage:

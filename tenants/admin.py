@@ -12,8 +12,8 @@ class MembershipInline(admin.TabularInline):
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ["slug", "name", "may_use_base", "requests_per_minute", "max_concurrent_requests", "dedicated",
-                    "created_at"]
+    list_display = ["slug", "name", "may_use_base", "requests_per_minute", "max_concurrent_requests", "share_weight",
+                    "dedicated", "created_at"]
     list_filter = ["dedicated"]
     search_fields = ["slug", "name"]
     inlines = [MembershipInline]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import datetime as dt
 
 from django.conf import settings
-from django.core.validators import RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models.functions import Lower
 from django.utils import timezone
@@ -14,6 +14,8 @@ slug_validator = RegexValidator(
     r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$",
     "Use 1–50 lowercase letters, digits and hyphens, not starting or ending with a hyphen.",
 )
+
+MAX_SHARE_WEIGHT = 100  # a tenant at 100 beside one at 1 gets 99% of a contended worker: enough range for tiers
 
 
 class Tenant(models.Model):
@@ -33,9 +35,21 @@ class Tenant(models.Model):
         help_text="Serve this tenant only on its own workers (manage.py run_worker --base BASE --tenant SLUG), "
                   "which serve no other tenant. With none running, its requests wait for one (504 at the "
                   "request timeout); they never fall back to the shared workers.")
+    # Copied into every job (GenerationJob.tenant_weight): the worker's engine shares its running sequences and
+    # KV blocks between the tenants that compete for them in proportion to these weights (issue 46).
+    share_weight = models.PositiveSmallIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(MAX_SHARE_WEIGHT)],
+        help_text=f"From 1 to {MAX_SHARE_WEIGHT}. When tenants compete for a worker's running sequences and KV "
+                  f"blocks, each gets weight / sum of competing weights of them; a tenant alone may use all of them. "
+                  f"Equal weights (the default, 1) share equally.")
 
     class Meta:
         ordering = ["slug"]
+        constraints = [
+            # the engine divides by the sum of weights: a zero or runaway weight must never reach a job
+            models.CheckConstraint(condition=models.Q(share_weight__gte=1, share_weight__lte=MAX_SHARE_WEIGHT),
+                                   name="tenant_share_weight_in_range"),
+        ]
 
     def __str__(self) -> str:
         return self.slug

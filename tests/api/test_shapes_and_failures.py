@@ -29,7 +29,8 @@ def test_a_completion_says_which_weights_answered(api, post):
     data = r.json()
     assert data["object"] == "text_completion" and data["id"].startswith("cmpl-")
     assert data["choices"] == [{"index": 0, "text": "hello there", "finish_reason": "length", "logprobs": None}]
-    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     meta = data["lorafleet"]
     assert meta["adapter"] == "support-bot" and meta["version"] == 2
     assert meta["weights_sha256"] == api.acme_v2.sha256 and meta["worker_id"] == public_worker_id("w1")

@@ -76,7 +76,7 @@ def test_a_tenant_cap_at_or_above_a_workers_threads_is_refused(staff, settings):
     def add(slug: str, cap: int):
         return staff.post(reverse("admin:tenants_tenant_add"), {
             "slug": slug, "name": slug, "created_at_0": "2026-11-30", "created_at_1": "06:00:00",
-            "may_use_base": "on", "requests_per_minute": "600", "max_concurrent_requests": str(cap),
+            "may_use_base": "on", "requests_per_minute": "600", "max_concurrent_requests": str(cap), "share_weight": "1",
             "memberships-TOTAL_FORMS": "0", "memberships-INITIAL_FORMS": "0"})
 
     refused = add("greedy", 128)
