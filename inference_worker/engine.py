@@ -2,43 +2,71 @@
 
 Any thread may `submit(job)`; the engine thread, at every step,
   1. takes new jobs and cancellations from its inbox,
-  2. admits waiting requests in arrival order (FCFS) while KV blocks and adapter slots allow,
-  3. builds one batch: a prefill chunk for requests still reading their prompt (a per-step token budget
-     chunks long prompts) and one decode token for the others, ordered so that each adapter's tokens are
-     contiguous (the segments SGMV consumes), and runs ONE `runner.forward` over all of it,
-  4. samples, checks stop conditions, streams text, and retires finished requests at once, freeing
-     their KV blocks and unpinning their adapters.
+  2. admits waiting work — new requests and preempted sequences — in fair order (below) while sequence slots,
+     KV blocks and adapter pages allow, preempting a tenant above its share for a tenant below it,
+  3. makes sure every running sequence has the KV blocks its next tokens need, taking them as it grows and
+     preempting when the pool runs out,
+  4. builds one batch: a prefill chunk for sequences still reading their prompt (or re-reading it after a
+     preemption) and one decode token for the others, ordered so that each adapter's tokens are contiguous
+     (the segments SGMV consumes), and runs ONE `runner.forward` over all of it,
+  5. samples, checks stop conditions, streams text, and retires finished sequences at once, freeing their KV
+     blocks and unpinning their adapters.
 
-Memory (one pool for KV blocks and adapters, memory_pool.py). KV blocks for a request's whole budget
-(prompt + max_tokens) are reserved at admission, so a running request can never run out of cache and
-nothing needs preempting; the price is that a request that stops early held blocks it did not use until
-it finished. Under pressure the engine *queues*: a request whose KV blocks or adapter pages are not free
-waits (idle adapters are evicted first, least recently used, to give pages back), and counts once in
-`admissions_waited_memory`. It *refuses* at once only what can never fit: prompt + max_tokens beyond the
-pool (`prompt_too_long`), or an adapter whose pages plus the request's KV exceed the pool
-(`adapter_too_large`). It never preempts a running request.
+Memory (one pool for KV blocks and adapters, memory_pool.py): KV is taken on demand. A sequence holds the
+blocks it has written plus those its next chunk writes; admission needs the first prefill chunk's blocks, not
+prompt + max_tokens. What cannot fit even alone is refused at once: a prompt whose KV exceeds the pool
+(`prompt_too_long`), an adapter whose pages plus that prompt's KV exceed it (`adapter_too_large`). A sequence
+that outgrows the whole pool while alone in it ends with finish_reason "length".
 
-Fairness: a request whose adapter is still loading (off-thread) does not hold up those behind it; a
-request that waits for memory does, so nothing later can keep taking the pages it waits for (no
-starvation).
+Preemption (by recompute, as vLLM's default): a preempted sequence gives back its blocks and keeps everything
+else — its generated tokens, its sampler (seeded generators carry on where they were), its penalties, logprobs
+and streamed text — and waits to be readmitted; it then re-reads prompt + generated tokens (most of it usually
+straight from the prefix cache) and samples its next token from the last row. The client sees one unbroken
+answer: tokens are never lost, repeated or changed, and usage counts each once. A request whose sequences are
+all preempted also gives back its adapter pin while it waits. Victims: the tenant most above its share (usage
+divided by weight), its most recently started sequence first. Preempted when:
+  - the pool runs out while running sequences grow (cached blocks are evicted first, then idle adapters);
+  - another tenant waits that is within its share while this tenant is above its own — for sequence slots
+    (`max_running`) or for KV blocks — within the step it waits in.
+
+Tenant shares (work-conserving): a tenant's share of slots and blocks is weight / (sum of the weights of the
+tenants with work in the engine); `GenerationJob.tenant_weight` carries Tenant.share_weight. A tenant alone
+uses everything; a tenant above its share is only preempted for a waiting tenant within its own, and only as
+far as that tenant needs (never below its share), so shares do not thrash.
+
+Order (Sheng et al., "Fairness in Serving LLMs", OSDI 2024): virtual token counters, service received per
+tenant (prompt tokens W_PROMPT, generated tokens W_OUTPUT; recomputation after a preemption is not charged).
+Admission and the prefill budget go to the tenant with the least service first, each tenant's work in arrival
+order; a tenant that becomes active starts at the least service the active have received (no banking).
+A request that waits for memory while within its share holds the line (nothing behind it takes the pages it
+waits for, so it cannot starve); one above its share steps aside for the others.
+
+Prefill bounded by step time (step_cost.py): the worker fits a step's seconds to its decode rows, prefill
+tokens and attended positions. When a step carries decodes of a tenant other than the one whose prompt it
+reads, that prompt's chunk is cut so the step costs at most `prefill_step_factor` times the step without it
+(never below one token: a near-context prompt is read a little every step and still finishes).
+
+Prefix cache (prefix_cache.py): every full KV block is keyed by a hash chain over (tenant, adapter identity or
+base, cache_salt, token ids); a new or resumed sequence takes the longest run of cached blocks at its start,
+never another tenant's or another adapter's. Freed cached blocks stay in the pool until their pages are needed
+(LRU, before anything is preempted). `cached_tokens` in the result says how much of the prompt was reused.
+Requests asking for prompt logprobs read their whole prompt.
 
 Failures are per request: a bad adapter, an over-long prompt or bad parameters end that request with an
 error code; if a forward pass raises, the batch is re-run sequence by sequence to find the culprit.
 
-n > 1 (several choices for one prompt): the prompt is prefilled ONCE, into the first sequence's blocks. At
-admission the request reserves the prompt's full blocks once and, per sequence, the blocks for the rest
-(the prompt's partial last block and max_tokens); the full prompt blocks are reference-counted in the pool
-and shared by all n block tables. When the prompt is done, the n sequences fork: each takes a first token
-from the same logits (its own sampler, its own derived seed), the partial last block is copied into each
-other sequence's own block (copy-on-write: the shared blocks are only ever read), and from then on they
-decode as n rows of the batch. `prompt_prefills` / `sequences` / `prefill_tokens` in stats() count it.
+n > 1 (several choices for one prompt): the prompt is prefilled ONCE, by the first sequence; the others wait
+(state FORK) and count in the slots. When the prompt is in, the n sequences fork: each takes a first token from
+the same logits (its own sampler, its own derived seed), shares the prompt's full blocks (reference-counted
+in the pool, only ever read), and gets its own copy of the partial last block (copy-on-write); from then on
+they decode, and are preempted, as n independent rows. `prompt_prefills` / `sequences` / `prefill_tokens` in
+stats() count it.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -53,13 +81,15 @@ from protocol.errors import ErrorCode
 from protocol.jobs import Choice, GenerationJob, GenerationResult
 
 from .adapter_cache import FAILED, LOADING, NO_ROOM, AdapterCache
+from .kv_cache import blocks_needed
 from .metrics import EngineMetrics
 from .model import SeqStep
 from .openmp import release_thread_team
+from .prefix_cache import chain, root_key
 from .sampling import IncrementalText, NonFiniteLogits, SamplingParams, SequenceSampling, prompt_logprobs, sample_step
+from .step_cost import StepCost, StepShape
 
 log = logging.getLogger(__name__)
-
 
 class RequestHandle:
     """What `submit` returns: wait for the result, stream deltas, or cancel. Thread-safe."""
@@ -161,12 +191,22 @@ class RequestHandle:
             self._cond.notify_all()
 
 
+
+# A sequence's states: WAIT (a new request's first sequence), RUN, FORK (a sibling waiting for the prompt the first
+# sequence reads), PREEMPTED (waits to re-read its tokens), DONE.
+WAIT, RUN, FORK, PREEMPTED, DONE = "wait", "run", "fork", "preempted", "done"
+
+
 class _Seq:
     """One of a request's n sequences (choices): its block table (the prompt's full blocks shared with its
-    siblings), its tokens, sampling state and text."""
+    siblings), its tokens, sampling state and text.
+
+    Its tokens are the request's prompt followed by `out_ids`; `num_computed` of them are in the KV cache. A
+    running sequence computes tokens[num_computed:] (a prefill chunk at a time, or the one token it sampled
+    last) and samples when it has computed all of them."""
 
     __slots__ = ("req", "index", "blocks", "num_computed", "out_ids", "sampling", "text", "done", "finish_reason",
-                 "logprobs")
+                 "logprobs", "state", "keys", "started", "recompute_upto")
 
     def __init__(self, req: _Request, index: int, sampling: SequenceSampling, text: IncrementalText,
                  logprobs: bool):
@@ -180,26 +220,45 @@ class _Seq:
         self.done = False
         self.finish_reason: str | None = None
         self.logprobs: list[dict] | None = [] if logprobs else None
+        self.state = WAIT if index == 0 else FORK
+        self.keys: list[bytes] = []  # prefix-cache keys of its full computed blocks, in order
+        self.started = 0  # when it last started running (engine counter): the most recent is preempted first
+        self.recompute_upto = 0  # tokens it had computed when last preempted (re-reading them is recomputation)
+
+    @property
+    def length(self) -> int:
+        return len(self.req.prompt_ids) + len(self.out_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Its tokens start..end-1 (prompt, then generated)."""
+        p = self.req.prompt_ids
+        n = len(p)
+        if end <= n:
+            return p[start:end]
+        if start >= n:
+            return self.out_ids[start - n:end - n]
+        return p[start:] + self.out_ids[:end - n]
 
 
 class _Request:
     """Engine-private state of one request: its prompt (prefilled once) and its n sequences."""
 
     __slots__ = (
-        "job", "handle", "key", "prompt_ids", "seqs", "live", "prefilled", "slot", "ident", "stop_ids",
-        "prompt_lps", "t_submit", "t_admit", "t_first", "done", "waited_memory", "counted",
+        "job", "handle", "key", "prompt_ids", "seqs", "live", "forked", "slot", "ident", "stop_ids",
+        "prompt_lps", "t_submit", "t_admit", "t_first", "done", "waited_memory", "counted", "root", "cached_tokens",
+        "preemptions", "charged", "use_cache",
     )
 
     def __init__(self, job: GenerationJob, handle: RequestHandle, key: int):
         self.job = job
         self.handle = handle
-        self.key = key  # unique per engine: the adapter cache's waiter id
+        self.key = key  # unique per engine, in arrival order: the adapter cache's waiter id
         self.prompt_ids: list[int] = []
         self.seqs: list[_Seq] = []
         self.live = 0  # sequences not done
-        self.prefilled = 0  # prompt tokens in the KV cache (in the first sequence's blocks)
+        self.forked = False  # the prompt is in and every sequence has its first token
         self.slot = -1
-        self.ident: str | None = None  # identity of the adapter pinned in `slot` (released when the request ends)
+        self.ident: str | None = None  # identity of the adapter pinned in `slot` (released when it stops running)
         self.stop_ids: frozenset[int] = frozenset()
         self.prompt_lps: list | None = None  # prompt logprob entries (echo); the first token's logprob is None
         self.t_submit = time.perf_counter()
@@ -208,10 +267,23 @@ class _Request:
         self.done = False
         self.waited_memory = False  # counted once in admissions_waited_memory
         self.counted = False  # counted in its tenant's active requests (engine._active)
+        self.root = b""  # its prefix-cache chain's root: (tenant, adapter identity, cache salt)
+        self.cached_tokens = 0  # prompt tokens taken from the prefix cache at its first admission
+        self.preemptions = 0
+        self.charged = False  # its prompt is charged to its tenant's virtual counter (once, at first admission)
+        self.use_cache = True  # False while its prompt logprobs are still to compute (they need every position)
 
     @property
     def n(self) -> int:
         return self.job.n
+
+    @property
+    def tenant(self) -> str:
+        return self.job.tenant
+
+    def active_seqs(self) -> int:
+        """Sequences that hold a slot: running, or waiting for the fork of a running prompt."""
+        return sum(1 for q in self.seqs if q.state == RUN or (q.state == FORK and self.seqs[0].state == RUN))
 
 
 W_PROMPT, W_OUTPUT = 1.0, 2.0  # VTC weights of a prompt token and a generated token (the paper's)
@@ -228,6 +300,9 @@ class Engine:
         prefill_chunk: int = 256,
         loader_threads: int = 2,
         fair: bool = True,
+        prefix_cache: bool = True,
+        prefill_step_factor: float = 1.5,
+        step_cost: StepCost | None = None,
     ):
         self.runner = runner
         self.tokenizer = runner.tokenizer
@@ -239,27 +314,31 @@ class Engine:
         self.metrics = EngineMetrics()
         self.block_size = int(runner.block_size)
         self.allocator = runner.kv.allocator
+        self.pool = self.allocator.pool
         self.total_blocks = int(self.allocator.num_free)  # pool pages KV may ever hold (fixed slots excluded)
         self.max_context = int(runner.config.max_position_embeddings)
         self.eos_ids = self._eos_ids()
+        self.prefix_cache = prefix_cache
+        self.prefill_step_factor = float(prefill_step_factor)
+        self.step_cost = step_cost if step_cost is not None else StepCost()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self._waiting: deque[_Request] = deque()  # requests with no running sequence: new, or all preempted
+        self._running: list[_Request] = []  # requests with a running sequence
         self._by_handle: dict[int, _Request] = {}
         self._keys = itertools.count()
-        # Virtual token counters (Sheng et al., "Fairness in Serving LLMs", OSDI 2024): service received per
-        # tenant, prompt tokens weighted W_PROMPT and generated tokens W_OUTPUT. Admission and the prefill
-        # budget go to the tenant with the least service first; a tenant that becomes active starts at the
-        # least service the active have *received*, so idle time is not banked. Work-conserving: one busy
-        # tenant gets everything.
-        # A prompt is charged in full at admission (the paper's rule: admission order must see it at once),
-        # but prefilled in chunks over several steps. The lift of a tenant that becomes active leaves the
-        # running requests' charged-but-unprefilled prompt tokens out — otherwise a newcomer would start level
-        # with the flood's queued prompts and wait behind them in the prefill budget.
+        self._starts = itertools.count(1)
+        # Virtual token counters (Sheng et al., OSDI 2024): service received per tenant, prompt tokens weighted
+        # W_PROMPT and generated tokens W_OUTPUT. Admission and the prefill budget go to the tenant with the least
+        # service first; a tenant that becomes active starts at the least service the active have *received*,
+        # so idle time is not banked. A prompt is charged in full at admission (the paper's rule: admission
+        # order must see it at once), but prefilled in chunks over several steps; the lift of a tenant that
+        # becomes active leaves the running prompts' charged-but-unprefilled tokens out — otherwise a newcomer
+        # would start level with a flood's queued prompts and wait behind them in the prefill budget.
         self.fair = fair  # False: every job counts as one tenant, i.e. plain FIFO (for comparisons)
         self._vtc: dict[str, float] = defaultdict(float)
         self._active: dict[str, int] = defaultdict(int)  # tenant -> requests waiting or running
+        self._weight: dict[str, float] = {}  # tenant -> its share weight (the latest job's)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False  # set when the loop has ended; submissions then fail at once
@@ -314,11 +393,16 @@ class Engine:
 
     def stats(self) -> dict:
         s = self.metrics.snapshot()
-        s["queue_depth"] = len(self._waiting) + self._inbox.qsize()
-        s["running"] = len(self._running)
-        s["running_sequences"] = sum(r.live for r in self._running)
+        running, waiting = list(self._running), list(self._waiting)
+        s["queue_depth"] = len(waiting) + self._inbox.qsize()
+        s["running"] = len(running)
+        s["running_sequences"] = sum(r.active_seqs() for r in running)
+        s["preempted_sequences"] = sum(1 for r in running + waiting for q in r.seqs if q.state == PREEMPTED)
         s["free_kv_blocks"] = int(self.allocator.num_free)
         s["total_kv_blocks"] = self.total_blocks
+        s["prefix_cache_blocks"] = self.pool.cached_blocks
+        s["prefix_cache_evictions"] = self.pool.cache_evictions
+        s["step_cost"] = self.step_cost.snapshot()
         s["memory"] = self.runner.memory_report()
         if self.cache is not None:
             s["cache"] = self.cache.stats()
@@ -387,7 +471,7 @@ class Engine:
                 req = self._by_handle.get(id(msg[1]))
                 if req is not None and not req.done:
                     self._finish(req, "cancelled", error=(ErrorCode.CANCELLED, "cancelled by the caller"))
-                    self._running = [r for r in self._running if not r.done]
+                    self._tidy()
 
     def _accept(self, handle: RequestHandle, job: GenerationJob) -> None:
         if not self.fair:
@@ -402,19 +486,24 @@ class Engine:
             err = (ErrorCode.INVALID_REQUEST, f"the prompt could not be prepared: {exc}")
         if err is not None:
             self._fail(req, *err)
-        else:
-            t = job.tenant
-            if self._active[t] == 0:  # becomes active: no banking of idle time
-                unserved: dict[str, float] = defaultdict(float)  # charged at admission, not yet prefilled
-                for r in self._running:
-                    if not r.done:
-                        unserved[r.job.tenant] += W_PROMPT * (len(r.prompt_ids) - r.prefilled)
-                others = [self._vtc[x] - unserved[x] for x, n in self._active.items() if n > 0]
-                if others:
-                    self._vtc[t] = max(self._vtc[t], min(others))
-            self._active[t] += 1
-            req.counted = True
-            self._waiting.append(req)
+            return
+        t = job.tenant
+        try:
+            weight = float(job.tenant_weight)
+        except (TypeError, ValueError):
+            weight = 1.0
+        self._weight[t] = weight if 0 < weight < float("inf") else 1.0
+        if self._active[t] == 0:  # becomes active: no banking of idle time
+            unserved: dict[str, float] = defaultdict(float)  # charged at admission, not yet prefilled
+            for r in self._running:
+                if not r.done and not r.forked:
+                    unserved[r.tenant] += W_PROMPT * max(0, len(r.prompt_ids) - r.seqs[0].num_computed)
+            others = [self._vtc[x] - unserved[x] for x, n in self._active.items() if n > 0]
+            if others:
+                self._vtc[t] = max(self._vtc[t], min(others))
+        self._active[t] += 1
+        req.counted = True
+        self._waiting.append(req)
 
     def _prepare(self, req: _Request) -> tuple[ErrorCode, str] | None:
         """Tokenize and validate; returns (code, message) when the request cannot run."""
@@ -445,12 +534,11 @@ class Engine:
             return ErrorCode.PROMPT_TOO_LONG, (
                 f"prompt of {len(ids)} tokens + max_tokens {job.max_tokens} exceeds the context of {self.max_context}"
             )
-        need = self._blocks_needed(req)
+        need = blocks_needed(len(ids) + 1, self.block_size)  # the prompt and the first generated token
         if need > self.total_blocks:
-            choices = f" for each of {job.n} choices" if job.n > 1 else ""
             return ErrorCode.PROMPT_TOO_LONG, (
-                f"prompt of {len(ids)} tokens + max_tokens {job.max_tokens}{choices} needs more KV cache than this "
-                f"worker has")
+                f"prompt of {len(ids)} tokens needs more KV cache than this worker has "
+                f"({self.total_blocks * self.block_size} positions)")
         if job.adapter is not None and not self.runner.lora.fixed_pages:
             pages = self._adapters.pages_for(job.adapter)
             if pages + need > self.total_blocks:
@@ -464,56 +552,164 @@ class Engine:
         req.stop_ids = frozenset(int(t) for t in job.stop_token_ids)
         if job.prompt_logprobs is not None:
             req.prompt_lps = [{"token": ids[0], "logprob": None, "top": None}]  # nothing comes before it
+        req.use_cache = self.prefix_cache and job.prompt_logprobs is None
+        req.root = root_key(job.tenant, job.adapter.identity if job.adapter is not None else None,
+                            str(job.cache_salt or ""))
         return None
 
-    def _block_split(self, req: _Request) -> tuple[int, int]:
-        """(full prompt blocks, shared by all sequences; blocks each sequence owns: its partial prompt block
-        and the rest of its budget)."""
-        per_seq = math.ceil((len(req.prompt_ids) + req.job.max_tokens) / self.block_size)
-        shared = len(req.prompt_ids) // self.block_size if req.n > 1 else 0
-        return shared, per_seq - shared
+    @property
+    def _adapters(self) -> AdapterCache:
+        """The adapter cache. Only requests with an adapter reach it, and a LoRA-disabled engine (no cache)
+        refuses those in _prepare."""
+        return cast(AdapterCache, self.cache)
 
-    def _blocks_needed(self, req: _Request) -> int:
-        shared, own = self._block_split(req)
-        return shared + req.n * own
+    # ---- shares and preemption ---------------------------------------------------------------------
+
+    def _share(self, tenant: str, capacity: float) -> float:
+        """`tenant`'s share of `capacity`: its weight over the weights of every tenant with work here."""
+        total = sum(self._weight.get(t, 1.0) for t, n in self._active.items() if n > 0)
+        w = self._weight.get(tenant, 1.0)
+        return capacity * w / (total if total > 0 else w)
+
+    def _usage(self) -> tuple[dict[str, int], dict[str, int], dict[str, _Seq]]:
+        """Per tenant: the sequence slots and the KV blocks its running sequences hold, and its most recently
+        started running sequence (the first to preempt)."""
+        slots: dict[str, int] = defaultdict(int)
+        blocks: dict[str, int] = defaultdict(int)
+        latest: dict[str, _Seq] = {}
+        for r in self._running:
+            slots[r.tenant] += r.active_seqs()
+            for q in r.seqs:
+                if q.state == RUN:
+                    blocks[r.tenant] += len(q.blocks)
+                    if r.tenant not in latest or q.started > latest[r.tenant].started:
+                        latest[r.tenant] = q
+        return slots, blocks, latest
+
+    def _free_slots(self) -> int:
+        return self.max_running - sum(r.active_seqs() for r in self._running)
+
+    def _room_for_tenant(self, tenant: str, slots: int, blocks: int) -> bool:
+        """Make `slots` free sequence slots and `blocks` free KV blocks for `tenant`'s waiting work by preempting
+        tenants above their share, if `tenant` stays within its own with them. The most-above tenant (usage over
+        weight) gives first, its most recently started sequence first, and no tenant is taken below its share."""
+        if blocks and self.allocator.num_free < blocks and self.cache is not None:
+            self.cache.reclaim(blocks)
+        while True:
+            short_slots = slots - self._free_slots()
+            short_blocks = blocks - self.allocator.num_free
+            if short_slots <= 0 and short_blocks <= 0:
+                return True
+            used_slots, used_blocks, latest = self._usage()
+            if short_slots > 0:
+                used, capacity, want = used_slots, self.max_running, slots
+            else:
+                used, capacity, want = used_blocks, self.total_blocks, blocks
+            if used[tenant] + want > self._share(tenant, capacity):
+                return False  # it would be above its share: it waits for what others give back
+            over = [t for t in latest if t != tenant and used[t] > self._share(t, capacity)]
+            if not over:
+                return False
+            victim_tenant = max(over, key=lambda t: (used[t] / self._weight.get(t, 1.0), used[t]))
+            self._preempt(latest[victim_tenant])
+            self.metrics.preemptions_for_share += 1
+
+    def _grow(self, seq: _Seq, need: int) -> bool:
+        """Give running `seq` `need` more KV blocks. When the pool has too few free pages (cached blocks count as
+        free: they are evicted first), idle adapters are evicted, then the tenant most above its KV share (blocks
+        over weight) gives back its most recently started sequence, until there is room. False, with nothing
+        allocated, when the sequence to preempt would be `seq` itself."""
+        while self.allocator.num_free < need:
+            if self.cache is not None and self.cache.reclaim(need):
+                break
+            _, held, latest = self._usage()
+            holders = [t for t in latest if latest[t].blocks]
+            if not holders:
+                return False
+            victim = latest[max(holders, key=lambda t: (held[t] / self._weight.get(t, 1.0), held[t]))]
+            if victim is seq:
+                return False
+            self._preempt(victim)
+        seq.blocks += self.allocator.allocate(need)
+        return True
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Recompute later: `seq` gives back its KV blocks and keeps its tokens, sampler, text and logprobs. A
+        request's first sequence preempted before its prompt is in takes its waiting siblings along."""
+        req = seq.req
+        self.metrics.preemptions += 1
+        req.preemptions += 1
+        if seq.blocks:
+            self.allocator.free(seq.blocks)
+        seq.blocks, seq.keys = [], []
+        seq.recompute_upto = max(seq.recompute_upto, seq.num_computed)
+        seq.num_computed = 0
+        seq.state = PREEMPTED
+
+    def _tidy(self) -> None:
+        """Requests with a running sequence in `_running` (in the order they started), the others in `_waiting`
+        (in arrival order). A request that stops running gives back its adapter pin while it waits (so waiting
+        requests never hold pages that running ones need)."""
+        running, parked = [], []
+        for r in self._running:
+            if r.done:
+                continue
+            if any(q.state == RUN for q in r.seqs):
+                running.append(r)
+            else:
+                if r.ident is not None:
+                    self._adapters.release(r.ident)
+                    r.slot, r.ident = -1, None
+                parked.append(r)
+        waiting = []
+        seen = {id(r) for r in running}
+        for r in self._waiting:
+            if r.done or id(r) in seen:
+                continue
+            if any(q.state == RUN for q in r.seqs):
+                running.append(r)
+            else:
+                waiting.append(r)
+        self._running = running
+        self._waiting = deque(sorted(waiting + parked, key=lambda r: r.key))
+
+    # ---- admission ---------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Admission bounded by max_running (sequences) and by the memory pool, which KV blocks and resident
-        adapters share, in fair order: the tenant with the least virtual service first, each tenant's requests
-        in arrival order. A request that waits for memory holds the line (nothing behind it takes the pages it
-        waits for, so it cannot starve) and holds no pin while it waits (so waiting requests cannot deadlock
-        each other). A request whose adapter is still loading does not hold the line."""
-        if not self._waiting:
+        """Start waiting work — new requests, and preempted sequences of waiting or running ones — in fair order:
+        the tenant with the least virtual service first, each tenant's work in arrival order. Bounded by
+        max_running (sequences) and by the memory pool, which KV blocks and resident adapters share; a tenant
+        within its share may preempt tenants above theirs (_room_for_tenant). Work that cannot start while its
+        tenant is within its share holds the line (nothing behind it takes the slots or pages it waits for, so it
+        cannot starve); a tenant above its share steps aside. A request whose adapter is still loading does not
+        hold the line."""
+        pending = [r for r in self._waiting if not r.done]
+        pending += [r for r in self._running if any(q.state in (WAIT, PREEMPTED) for q in r.seqs)]
+        if not pending:
             return
         queues: dict[str, deque[_Request]] = defaultdict(deque)
-        for req in self._waiting:
-            if not req.done:  # cancelled while waiting
-                queues[req.job.tenant].append(req)
+        for req in sorted(pending, key=lambda r: r.key):
+            queues[req.tenant].append(req)
         heap = [(self._vtc[t], q[0].key, t) for t, q in queues.items()]
         heapq.heapify(heap)
-        kept: list[_Request] = []
-        running_seqs = sum(r.live for r in self._running)
         while heap:
             _, _, t = heapq.heappop(heap)
-            req = queues[t].popleft()
-            outcome = "full" if running_seqs + req.n > self.max_running else self._try_admit(req)
-            if outcome in ("full", "blocked"):  # the line stops here: keep everything not yet admitted
-                kept.append(req)
-                for q in queues.values():
-                    kept.extend(q)
-                break
-            if outcome == "loading":
-                kept.append(req)
-            elif outcome == "admitted":
-                running_seqs += req.n
-                self._vtc[t] += W_PROMPT * len(req.prompt_ids)  # the prompt is read once, whatever n
+            req = queues[t][0]
+            outcome = self._start(req)
+            if outcome in ("full", "blocked"):
+                used_slots, used_blocks, _ = self._usage()
+                if (used_slots[t] < self._share(t, self.max_running)
+                        and used_blocks[t] < self._share(t, self.total_blocks)):
+                    break  # within its share: the line stops here
+                continue  # above its share: the others go first
+            queues[t].popleft()
             if queues[t]:
                 heapq.heappush(heap, (self._vtc[t], queues[t][0].key, t))
-        kept.sort(key=lambda r: r.key)
-        self._waiting = deque(kept)
+        self._tidy()
 
-    def _try_admit(self, req: _Request) -> str:
-        """'admitted', 'failed', 'loading' (its adapter loads off-thread) or 'blocked' (waits for memory)."""
+    def _start(self, req: _Request) -> str:
+        """Start every sequence of `req` that waits, in index order: 'started', 'failed', 'loading' (its adapter
+        loads off-thread), 'full' (no sequence slot) or 'blocked' (waits for memory)."""
         ref = req.job.adapter
         if ref is not None and req.ident is None:
             got = self._adapters.acquire(ref, req.key)
@@ -526,95 +722,193 @@ class Engine:
                 self._wait_for_memory(req)
                 return "blocked"
             req.slot, req.ident = got.slot, ref.identity
-        need = self._blocks_needed(req)
-        if self.allocator.num_free < need and self.cache is not None:
-            self.cache.reclaim(need)  # idle adapters give their pages back to the KV cache
-        if self.allocator.num_free < need:
-            if req.ident is not None:  # wait unpinned: the adapter stays resident unless room is needed
-                self._adapters.release(req.ident)
-                req.slot, req.ident = -1, None
+        for seq in req.seqs:
+            if seq.state in (WAIT, PREEMPTED):
+                outcome = self._start_seq(seq)
+                if outcome != "started":
+                    if req.ident is not None and not any(q.state == RUN for q in req.seqs):
+                        self._adapters.release(req.ident)  # wait unpinned: it stays resident unless room is needed
+                        req.slot, req.ident = -1, None
+                    return outcome
+        return "started"
+
+    def _start_seq(self, seq: _Seq) -> str:
+        req = seq.req
+        t = req.tenant
+        first_start = req.t_admit is None
+        slots = 1 + (sum(1 for q in req.seqs if q.state == FORK) if seq.index == 0 and not req.forked else 0)
+        if self._free_slots() < slots and not self._room_for_tenant(t, slots, 0):
+            return "full"
+        cached = self._take_cached(seq) if (req.use_cache or req.forked) else 0
+        upto = min(seq.length, seq.num_computed + self.prefill_chunk)
+        need = blocks_needed(upto, self.block_size) - len(seq.blocks)
+        # keep a little room for the running sequences to grow into (none when nothing runs: a prompt that fits
+        # the pool alone must always start)
+        spare = max(1, self.total_blocks // 100) if self._running else 0
+        if self.allocator.num_free < need + spare and not self._room_for_tenant(t, 0, need + spare):
+            if seq.blocks:
+                self.allocator.free(seq.blocks)
+            seq.blocks, seq.keys, seq.num_computed = [], [], 0
             self._wait_for_memory(req)
             return "blocked"
-        blocks = self.allocator.allocate(need)
-        shared, own = self._block_split(req)
-        for seq in req.seqs:  # every table: the shared full prompt blocks, then blocks of its own
-            seq.blocks = blocks[:shared] + blocks[shared + seq.index * own: shared + (seq.index + 1) * own]
-        if shared and req.n > 1:
-            self.allocator.share(blocks[:shared], req.n - 1)
-            self.metrics.kv_blocks_shared += shared * (req.n - 1)
-        self.metrics.sequences += req.n
-        req.t_admit = time.perf_counter()
-        self._running.append(req)
-        return "admitted"
+        seq.blocks += self.allocator.allocate(need)
+        seq.state = RUN
+        seq.started = next(self._starts)
+        if first_start:
+            req.t_admit = time.perf_counter()
+            req.cached_tokens = cached
+            self.metrics.sequences += req.n
+            self.metrics.prefix_cache_query_tokens += len(req.prompt_ids) if req.use_cache else 0
+            self.metrics.prefix_cache_hit_tokens += cached
+        if not req.charged:  # the prompt is read once, whatever n; what the cache gave is not charged
+            req.charged = True
+            self._vtc[t] += W_PROMPT * (len(req.prompt_ids) - cached)
+        if req not in self._running:
+            self._running.append(req)
+        return "started"
 
-    @property
-    def _adapters(self) -> AdapterCache:
-        """The adapter cache. Only requests with an adapter reach it, and a LoRA-disabled engine (no cache)
-        refuses those in _prepare."""
-        return cast(AdapterCache, self.cache)
+    def _take_cached(self, seq: _Seq) -> int:
+        """Take the longest run of cached blocks at the start of `seq`'s tokens (always leaving its last token
+        to compute: its logits are the next token's); returns the tokens they hold."""
+        req = seq.req
+        if not self.prefix_cache or seq.blocks:
+            return 0
+        full = (seq.length - 1) // self.block_size
+        if full <= 0:
+            return 0
+        keys = chain(req.root, seq.tokens(0, full * self.block_size), self.block_size)
+        got: list[int] = []
+        for k in keys:
+            b = self.allocator.cached(k)
+            if b is None:
+                break
+            got.append(b)
+        for b in got:
+            self.allocator.take_cached(b)
+        seq.blocks, seq.keys = got, keys[:len(got)]
+        seq.num_computed = len(got) * self.block_size
+        return seq.num_computed
+
+    def _key_blocks(self, seq: _Seq) -> None:
+        """Key the blocks `seq` has filled, so later requests of its tenant and adapter can reuse them."""
+        full = seq.num_computed // self.block_size
+        if not self.prefix_cache or full <= len(seq.keys):
+            return
+        old = len(seq.keys)
+        chain(seq.req.root, seq.tokens(0, full * self.block_size), self.block_size, seq.keys)
+        for i in range(old, full):
+            self.allocator.key(seq.blocks[i], seq.keys[i])
 
     def _wait_for_memory(self, req: _Request) -> None:
         if not req.waited_memory:
             req.waited_memory = True
             self.metrics.admissions_waited_memory += 1
 
+    # ---- one step ------------------------------------------------------------------------------------
+
     def _step(self) -> None:
         t0 = time.perf_counter()
-        # Prefill budget goes to the tenant with the least service first (VTC), and within a tenant in
-        # admission order, so an old long prompt is not starved by its own tenant's newer ones. Another tenant's
-        # chunk rides in the same step only if it is no longer than what the least-served tenant reads in it:
-        # on a CPU a step's time grows with its tokens, and the least-served tenant's first token must not wait
-        # for a chunk of (say) a flood's queued prompts. Small prompts of several tenants still share a step;
-        # decodes always ride. A deferred chunk waits one step per prompt of the tenant behind, never more: that
-        # tenant is charged as it is served.
+        bs = self.block_size
+        # 1. Decodes take a new block at each block boundary, oldest first; when the pool runs out the tenant most
+        #    above its KV share gives back its newest sequence (_grow). A sequence that is itself the one to give
+        #    way is preempted; one alone in a pool it has outgrown ends with "length".
+        runnable = sorted((q for r in self._running for q in r.seqs if q.state == RUN), key=lambda q: q.started)
+        for q in runnable:
+            if q.state != RUN or q.length - q.num_computed != 1:
+                continue
+            need = blocks_needed(q.num_computed + 1, bs) - len(q.blocks)
+            if need > 0 and not self._grow(q, need):
+                if any(o is not q and o.state == RUN and o.blocks for r in self._running for o in r.seqs):
+                    self._preempt(q)
+                else:
+                    self._finish_seq(q, "length")
+        decodes = [q for q in runnable if q.state == RUN and q.length - q.num_computed == 1]
+        decode_shape = StepShape()
+        for q in decodes:
+            decode_shape.add(q.num_computed, 1)
+        decode_tenants = {q.req.tenant for q in decodes}
+
+        # 2. Prefill chunks. The budget goes to the tenant with the least service first (VTC), and within a tenant
+        #    in start order, so an old long prompt is not starved by its own tenant's newer ones. Another tenant's
+        #    chunk rides in the same step only if it is no longer than what the least-served tenant reads in it.
+        #    When other tenants' decodes ride, the chunks are cut so the step costs at most prefill_step_factor
+        #    times the decodes alone (step_cost.py; at least one token for the first chunk: no starvation).
         budget = self.prefill_chunk
         lead: str | None = None  # the tenant first given prefill budget in this step
         lead_tokens = 0
-        batch: list[tuple[_Request, _Seq | None, SeqStep]] = []  # seq None: a prefill chunk of the request
-        for req in sorted(self._running, key=lambda r: (self._vtc[r.job.tenant], r.key)):
-            start = req.prefilled
-            left = len(req.prompt_ids) - start
-            if left > 0:
-                if budget <= 0:
-                    continue
-                n = min(left, budget)
-                if lead is None:
-                    lead = req.job.tenant
-                if req.job.tenant == lead:
-                    lead_tokens += n
-                elif n > lead_tokens:
-                    continue
-                budget -= n
-                batch.append((req, None, SeqStep(block_table=req.seqs[0].blocks, start_pos=start,
-                                                 token_ids=req.prompt_ids[start: start + n], slot=req.slot)))
+        allowance: float | None = None  # seconds the chunks may add, when bounded
+        chunks: list[tuple[_Seq, int]] = []
+        prefills = [q for q in runnable if q.state == RUN and q.length - q.num_computed > 1]
+        prefills.sort(key=lambda q: (self._vtc[q.req.tenant], q.started))
+        for q in prefills:
+            if budget <= 0:
+                break
+            if q.state != RUN:  # preempted for an earlier chunk's blocks
                 continue
-            for q in req.seqs:
-                if not q.done:
-                    batch.append((req, q, SeqStep(block_table=q.blocks, start_pos=q.num_computed,
-                                                  token_ids=[q.out_ids[-1]], slot=req.slot)))
-        batch.sort(key=lambda b: b[2].slot)  # stable: each adapter's tokens contiguous
-        steps = [b[2] for b in batch]
-        every = [i for i, (req, seq, _) in enumerate(batch) if seq is None and req.prompt_lps is not None]
+            t = q.req.tenant
+            start = q.num_computed
+            n = min(q.length - start, budget)
+            if decode_tenants - {t}:
+                if allowance is None:
+                    allowance = (self.prefill_step_factor - 1.0) * self.step_cost.predict(decode_shape)
+                n = self.step_cost.prefill_bound(start, n, allowance, floor=0 if chunks else 1)
+                if n <= 0:
+                    continue
+            if lead is None:
+                lead = t
+            elif t != lead and n > lead_tokens:
+                continue
+            need = blocks_needed(start + n, bs) - len(q.blocks)
+            if need > 0 and not self._grow(q, need):
+                n = min(n, (len(q.blocks) + self.allocator.num_free) * bs - start)  # what the free pages hold
+                if n <= 0:
+                    continue
+                q.blocks += self.allocator.allocate(blocks_needed(start + n, bs) - len(q.blocks))
+            if allowance is not None:
+                allowance -= self.step_cost.added_seconds(start, n)
+            if t == lead:
+                lead_tokens += n
+            budget -= n
+            chunks.append((q, n))
+
+        # 3. One forward over the decodes and the chunks, each adapter's tokens contiguous.
+        work = [(q, 1) for q in decodes if q.state == RUN] + [(q, n) for q, n in chunks if q.state == RUN]
+        if not work:
+            self._tidy()
+            self._wake.wait(0.01)  # everything waits for memory that a loading adapter or a cancel will free
+            self._wake.clear()
+            return
+        batch = [(q, SeqStep(block_table=q.blocks, start_pos=q.num_computed,
+                             token_ids=q.tokens(q.num_computed, q.num_computed + n), slot=q.req.slot))
+                 for q, n in work]
+        batch.sort(key=lambda b: b[1].slot)  # stable: each adapter's tokens contiguous
+        steps = [b[1] for b in batch]
+        shape = StepShape()
+        for s in steps:
+            shape.add(s.start_pos, len(s.token_ids))
+        every = [i for i, (q, _) in enumerate(batch)
+                 if not q.req.forked and q.req.prompt_lps is not None and len(q.req.prompt_lps) < len(q.req.prompt_ids)]
 
         tf = time.perf_counter()
         logits, failed, prompt_logits = self._forward(steps, every)  # [len(steps), vocab]
         forward_s = time.perf_counter() - tf
+        self.step_cost.observe(shape, forward_s)
 
         rows: list[int] = []  # logits row of each sequence that takes a token now
         seqs: list[_Seq] = []
-        for i, (req, seq, step) in enumerate(batch):
-            if req.done:
+        preempt_after: list[_Seq] = []  # siblings that found no block for their copy at the fork
+        for i, (q, step) in enumerate(batch):
+            req = q.req
+            if req.done or q.state != RUN:
                 continue
             if i in failed:
                 self._fail(req, ErrorCode.INTERNAL_ERROR, f"the forward pass failed for this request: {failed[i]}")
                 continue
-            if seq is not None:
-                seq.num_computed += 1
-                rows.append(i)
-                seqs.append(seq)
-                continue
-            n = len(step.token_ids)
-            self.metrics.prefill_tokens += n
+            start, n = step.start_pos, len(step.token_ids)
+            again = max(0, min(start + n, q.recompute_upto) - start)
+            self.metrics.recomputed_tokens += again
+            if not req.forked:
+                self.metrics.prefill_tokens += n - again
             try:
                 if i in prompt_logits:
                     self._add_prompt_logprobs(req, step, prompt_logits[i])
@@ -622,11 +916,18 @@ class Engine:
                 log.exception("prompt logprobs of request %s failed", req.job.request_id)
                 self._fail(req, ErrorCode.INTERNAL_ERROR, f"computing prompt logprobs failed: {exc!r}")
                 continue
-            req.prefilled += n
-            if req.prefilled >= len(req.prompt_ids):  # the prompt is in: every sequence samples from this row
-                self._fork(req)
-                rows += [i] * req.live
-                seqs += [q for q in req.seqs if not q.done]
+            q.num_computed += n
+            self._key_blocks(q)
+            if q.num_computed < q.length:
+                continue  # more of its prompt (or of what it re-reads) to come
+            if req.forked:
+                rows.append(i)
+                seqs.append(q)
+                continue
+            preempt_after += self._fork(req)  # the prompt is in: every sequence samples from this row
+            live = [s for s in req.seqs if not s.done]
+            rows += [i] * len(live)
+            seqs += live
         if rows:
             if rows == list(range(len(batch))):
                 sel = logits
@@ -648,35 +949,61 @@ class Engine:
                 except Exception as exc:  # detokenization or a stop check failing: this request only
                     log.exception("request %s failed after its forward pass", req.job.request_id)
                     self._fail(req, ErrorCode.INTERNAL_ERROR, f"post-processing a token failed: {exc!r}")
-        self._running = [r for r in self._running if not r.done]
+        for seq in preempt_after:
+            if seq.state == RUN and not seq.done:
+                self._preempt(seq)
+        self._tidy()
         self.metrics.record_step(
-            batch_size=len(steps), tokens=sum(len(s.token_ids) for s in steps),
+            batch_size=len(steps), tokens=shape.tokens,
             distinct_adapters=len({s.slot for s in steps}), forward_s=forward_s,
             step_s=time.perf_counter() - t0,
         )
 
-    def _fork(self, req: _Request) -> None:
-        """The prompt is in the first sequence's blocks: the others copy its partial last block into their own
-        (the full blocks before it are already shared) and start at the same position."""
+    def _fork(self, req: _Request) -> list[_Seq]:
+        """The prompt is in the first sequence's blocks: the others share its full blocks, copy its partial last
+        block into one of their own, and start at the same position. Returns the siblings that found no free
+        page for that copy: they take their first token with the others and are then preempted (they re-read
+        the prompt later, mostly from the prefix cache)."""
         self.metrics.prompt_prefills += 1
+        req.forked = True
         first = req.seqs[0]
-        full = len(req.prompt_ids) // self.block_size
-        if len(req.seqs) > 1 and len(req.prompt_ids) % self.block_size:
-            others = req.seqs[1:]
-            self.runner.kv.copy_blocks([first.blocks[full]] * len(others), [q.blocks[full] for q in others])
-            self.metrics.kv_blocks_copied += len(others)
-        for seq in req.seqs:
-            seq.num_computed = len(req.prompt_ids)
+        length = len(req.prompt_ids)
+        full = length // self.block_size
+        short: list[_Seq] = []
+        for q in req.seqs[1:]:
+            if q.done:
+                continue
+            q.blocks = list(first.blocks[:full])
+            if full:
+                self.allocator.share(q.blocks, 1)
+                self.metrics.kv_blocks_shared += full
+            q.keys = list(first.keys[:full])
+            if length % self.block_size:
+                if self.allocator.num_free:
+                    b = self.allocator.allocate(1)[0]
+                    self.runner.kv.copy_blocks([first.blocks[full]], [b])
+                    self.metrics.kv_blocks_copied += 1
+                    q.blocks.append(b)
+                else:
+                    short.append(q)
+            q.num_computed = length
+            q.state = RUN
+            q.started = next(self._starts)
         if req.prompt_lps is not None:
             req.handle._publish_prompt(req.prompt_lps)
+        return short
 
     def _add_prompt_logprobs(self, req: _Request, step: SeqStep, logits: torch.Tensor) -> None:
         """Logits at prompt positions start..start+n-1 predict prompt tokens start+1..start+n (the last of a
-        final chunk predicts the first generated token: not a prompt token)."""
+        final chunk predicts the first generated token: not a prompt token). Positions a preempted prompt had
+        already covered are not added again."""
         start, ids, entries = step.start_pos, req.prompt_ids, req.prompt_lps
+        if entries is None:
+            return
         m = min(len(step.token_ids), len(ids) - 1 - start)
-        if m > 0 and entries is not None:
-            entries += prompt_logprobs(logits[:m], ids[start + 1: start + 1 + m], req.job.prompt_logprobs or 0)
+        skip = max(0, len(entries) - 1 - start)
+        if m > skip:
+            entries += prompt_logprobs(logits[skip:m], ids[start + 1 + skip: start + 1 + m], req.job.prompt_logprobs or 0)
 
     def _forward(self, steps: list, every: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, str], dict]:
         """One forward pass; if it raises, each sequence alone, so one bad request fails alone.
@@ -713,7 +1040,7 @@ class Engine:
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
         self.metrics.tokens_generated += 1
-        self._vtc[req.job.tenant] += W_OUTPUT
+        self._vtc[req.tenant] += W_OUTPUT
         job = req.job
         if tok in req.stop_ids or (tok in self.eos_ids and not job.ignore_eos):
             self._finish_seq(seq, "stop")
@@ -729,7 +1056,7 @@ class Engine:
     def _finish_seq(self, seq: _Seq, reason: str) -> None:
         """One choice is done: its own blocks (and its hold on the shared ones) go back at once; the request
         ends with its last sequence."""
-        seq.done, seq.finish_reason = True, reason
+        seq.done, seq.finish_reason, seq.state = True, reason, DONE
         seq.text.flush()
         seq.req.handle._publish(seq.index, seq.text.text, seq.logprobs)
         if seq.blocks:
@@ -742,8 +1069,13 @@ class Engine:
 
     def _release(self, req: _Request, scrub: bool = False) -> None:
         held = [seq.blocks for seq in req.seqs if seq.blocks]
-        if scrub and held:  # a failed request may leave NaN/inf keys; padded gathers of later sequences read blocks
-            self.runner.pool.data[:, sorted({b for blocks in held for b in blocks})] = 0
+        if scrub and held:
+            # A failed request may leave NaN/inf keys, which padded gathers of later sequences would read: zero
+            # the pages only it holds, and forget their cache keys (pages shared with others are theirs too).
+            mine = sorted({b for blocks in held for b in blocks if self.allocator.refs(b) == 1})
+            if mine:
+                self.pool.forget_blocks(mine)
+                self.runner.pool.data[:, mine] = 0
         for seq in req.seqs:
             if seq.blocks:
                 self.allocator.free(seq.blocks)
@@ -760,14 +1092,14 @@ class Engine:
         req.done = True
         for seq in req.seqs:  # sequences still running end with the request (cancelled, or failed)
             if not seq.done:
-                seq.done, seq.finish_reason = True, reason
+                seq.done, seq.finish_reason, seq.state = True, reason, DONE
                 if reason != "cancelled" and seq.text is not None:
                     seq.text.flush()
         req.live = 0
         self._release(req, scrub=error is not None and error[0] != ErrorCode.CANCELLED)
         if req.counted:  # it was waiting or running: its tenant has one request fewer in the engine
             req.counted = False
-            self._active[req.job.tenant] -= 1
+            self._active[req.tenant] -= 1
         self._by_handle.pop(id(req.handle), None)
         now = time.perf_counter()
         job = req.job
@@ -801,6 +1133,8 @@ class Engine:
             total_s=now - req.t_submit,
             choices=choices,
             prompt_logprobs=req.prompt_lps,
+            cached_tokens=req.cached_tokens,
+            preemptions=req.preemptions,
         ))
 
     def _fail(self, req: _Request, code: ErrorCode, message: str) -> None:

@@ -14,6 +14,13 @@ Allocation:
   away from the KV end, so KV churn fragments adapter space as little as possible).
 Nothing here decides *who* gets pages: the engine (admission) and the adapter cache (residency) do.
 
+Prefix cache (inference_worker/prefix_cache.py computes the keys): a full KV block may carry a key, the hash of
+everything its KV depends on. A keyed page whose last holder frees it stays keyed: it is free (it counts in
+`num_free`, and anything may take it) but remembers its contents until then, so a later request with the same
+key takes it back instead of recomputing it. New KV blocks are taken from unkeyed free pages first and then
+from keyed ones, least recently freed first: cached blocks are evicted (LRU) only when nothing else is free,
+and always before anything running is preempted. An adapter extent laid over keyed pages drops their keys.
+
 CPU memory comes from a private anonymous mapping: zero-filled by the kernel and committed only where pages
 are touched, so a large `--memory-gb` costs what the workload uses (in 2 MB steps: see `_huge_pages`).
 Pages are zero when first handed out; a page an adapter gave back holds finite weights, which is all the KV
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import mmap
 import warnings
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -43,6 +51,9 @@ def _huge_pages(region: mmap.mmap) -> bool:
     except (AttributeError, OSError, ValueError):  # not Linux, or a kernel built without THP
         return False
     return True
+
+
+Key = bytes  # a prefix-cache key (prefix_cache.py); named here because PagePool has a `bytes` property
 
 
 class OutOfPages(RuntimeError):
@@ -71,6 +82,11 @@ class PagePool:
         self.data = flat.view(num_layers, num_pages, page_elems)  # [L, P, E]
         self._free = np.ones(num_pages, dtype=bool)
         self._refs = np.zeros(num_pages, dtype=np.int32)  # holders of each KV page (0 = not a KV page)
+        self._keyed = np.zeros(num_pages, dtype=bool)  # pages whose contents a prefix-cache key names
+        self._key_of: dict[int, Key] = {}
+        self._page_of: dict[Key, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # free keyed pages, least recently freed first
+        self.cache_evictions = 0  # keyed pages whose contents were overwritten (taken for something else)
         self.kv_pages = 0
         self.adapter_pages = 0
 
@@ -97,11 +113,74 @@ class PagePool:
             raise ValueError("cannot allocate a negative number of blocks")
         if n > self.num_free:
             raise OutOfPages(f"asked for {n} KV blocks, {self.num_free} of {self.num_pages} pages free")
-        ids = np.flatnonzero(self._free)[:n]
+        ids = np.flatnonzero(self._free & ~self._keyed)[:n]
+        if len(ids) < n:  # evict cached blocks, least recently freed first
+            more = [self._lru.popitem(last=False)[0] for _ in range(n - len(ids))]
+            self._unkey(more)
+            self.cache_evictions += len(more)
+            ids = np.concatenate((ids, np.asarray(more, dtype=np.int64)))
         self._free[ids] = False
         self._refs[ids] = 1
         self.kv_pages += n
         return ids.tolist()
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+
+    def key_block(self, block: int, key: Key) -> bool:
+        """Name an allocated, full KV block's contents by `key`. False (nothing changes) when the block already
+        has a key or another page holds this key (two requests computed the same block at once)."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"KV block {block} is not allocated")
+        if self._keyed[block] or key in self._page_of:
+            return False
+        self._keyed[block] = True
+        self._key_of[block], self._page_of[key] = key, block
+        return True
+
+    def cached_block(self, key: Key) -> int | None:
+        """The page whose contents `key` names, allocated or free, or None."""
+        return self._page_of.get(key)
+
+    def take_cached(self, block: int) -> None:
+        """One more holder of a keyed page: a free one is taken back from the cache, contents intact."""
+        if not self._keyed[block]:
+            raise ValueError(f"page {block} holds no cached block")
+        if self._refs[block] == 0:
+            del self._lru[block]
+            self._free[block] = False
+            self.kv_pages += 1
+        self._refs[block] += 1
+
+    def forget_blocks(self, blocks: list[int]) -> None:
+        """Drop the keys of these allocated pages (their contents are about to change: a failed request's
+        pages are zeroed)."""
+        self._unkey([b for b in blocks if self._keyed[b] and self._refs[b] > 0])
+
+    def block_key(self, block: int) -> Key | None:
+        return self._key_of.get(block)
+
+    @property
+    def cached_free(self) -> int:
+        """Free pages that still hold a cached block."""
+        return len(self._lru)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._key_of)
+
+    def drop_cache(self) -> int:
+        """Forget every cached block (the pages stay where they are); returns how many keys were dropped."""
+        n = len(self._key_of)
+        self._unkey(list(self._key_of))
+        self._lru.clear()
+        return n
+
+    def _unkey(self, pages) -> None:
+        for p in pages:
+            key = self._key_of.pop(int(p), None)
+            if key is not None:
+                del self._page_of[key]
+            self._keyed[p] = False
 
     def _check_kv(self, ids: np.ndarray, blocks) -> None:
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_pages or (self._refs[ids] <= 0).any()
@@ -128,6 +207,8 @@ class PagePool:
         gone = ids[self._refs[ids] == 0]
         self._free[gone] = True
         self.kv_pages -= len(gone)
+        for p in gone[self._keyed[gone]].tolist():  # cached: free, but remembered until the page is needed
+            self._lru[p] = None
         return gone.tolist()
 
     # ---- adapter extents --------------------------------------------------------------------------
@@ -152,6 +233,12 @@ class PagePool:
             if e - s >= n:
                 start = e - n
                 self._free[start:e] = False
+                keyed = np.flatnonzero(self._keyed[start:e]) + start
+                if len(keyed):  # cached blocks under the adapter are overwritten
+                    for p in keyed.tolist():
+                        del self._lru[p]
+                    self._unkey(keyed.tolist())
+                    self.cache_evictions += len(keyed)
                 self.adapter_pages += n
                 return start
         return None
@@ -193,3 +280,13 @@ class BlockAllocator:
 
     def refs(self, block: int) -> int:
         return self.pool.block_refs(block)
+
+    # prefix cache (PagePool's docstring)
+    def key(self, block: int, key: Key) -> bool:
+        return self.pool.key_block(block, key)
+
+    def cached(self, key: Key) -> int | None:
+        return self.pool.cached_block(key)
+
+    def take_cached(self, block: int) -> None:
+        self.pool.take_cached(block)

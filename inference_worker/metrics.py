@@ -33,6 +33,13 @@ class EngineMetrics:
     prefill_tokens: int = 0
     kv_blocks_shared: int = 0  # block-table entries that point at another sequence's prompt block (not copied)
     kv_blocks_copied: int = 0  # partial last prompt blocks copied at a fork (copy-on-write)
+    # scheduling by share (engine.py): preemptions (every one, and those made for a tenant within its share),
+    # the tokens re-read after them, and the prefix cache's prompt tokens looked up and found
+    preemptions: int = 0
+    preemptions_for_share: int = 0
+    recomputed_tokens: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
     forward_seconds: float = 0.0
     step_seconds: float = 0.0
 
@@ -52,4 +59,6 @@ class EngineMetrics:
         d = asdict(self)
         d["batch_size_mean"] = self.batch_size_sum / self.steps if self.steps else 0.0
         d["distinct_adapters_mean"] = self.distinct_adapters_sum / self.steps if self.steps else 0.0
+        q = self.prefix_cache_query_tokens
+        d["prefix_cache_hit_rate"] = self.prefix_cache_hit_tokens / q if q else 0.0
         return d

@@ -1,0 +1,94 @@
+"""What a forward step costs, measured on this worker, and how much prefill a step may carry.
+
+A step's time is close to linear in three things (on a CPU and on a GPU alike): a fixed part (reading the
+weights once, launching the kernels), the tokens it runs through the linear layers, and the attention it
+computes — a prefill chunk of n tokens after `start` cached ones attends over n * (start + (n + 1) / 2)
+positions, a decode row over its context. `StepCost` fits
+
+    seconds ≈ fixed + per_token * tokens + per_attended * attended
+
+to the steps the engine runs (recursive least squares, old steps forgotten geometrically, so the fit follows
+the host's phases), starting from a prior that is only used until the worker has measured enough steps.
+
+The engine uses it to bound prefill (issue 46): when a step carries other tenants' decodes, its prefill tokens
+are cut so that the step takes at most `factor` times what it would take without them — a near-context prompt
+is read a little every step instead of stalling every other tenant's next token for a whole chunk. The bound
+is never below one token, so a long prompt always finishes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def attended(start: int, n: int) -> float:
+    """Positions attended by a chunk of n tokens after `start` cached ones (a decode row: n = 1)."""
+    return n * (start + (n + 1) / 2)
+
+
+@dataclass
+class StepShape:
+    tokens: int = 0
+    attended: float = 0.0
+
+    def add(self, start: int, n: int) -> None:
+        self.tokens += n
+        self.attended += attended(start, n)
+
+
+class StepCost:
+    """Online fit of step seconds; `fixed=(a, b, c)` freezes it (deterministic tests, benchmarks)."""
+
+    def __init__(self, fixed: tuple[float, float, float] | None = None, *, prior: tuple[float, float, float] =
+                 (5e-3, 1e-4, 1e-8), forget: float = 0.98):
+        self.frozen = fixed is not None
+        self.theta = np.array(fixed if fixed is not None else prior, dtype=np.float64)
+        # feature scales keep the normal equations well conditioned (tokens ~1e2, attended ~1e6)
+        self._scale = np.array([1.0, 1e-2, 1e-6])
+        self._P = np.eye(3) * 1e3  # large: the prior counts for little against measurements
+        self.forget = forget
+        self.samples = 0
+
+    def predict(self, shape: StepShape) -> float:
+        return float(self.theta @ np.array([1.0, shape.tokens, shape.attended]))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if self.frozen or not math.isfinite(seconds) or seconds <= 0:
+            return
+        x = np.array([1.0, shape.tokens, shape.attended]) * self._scale
+        w = self.theta / self._scale
+        Px = self._P @ x
+        k = Px / (self.forget + x @ Px)
+        w = w + k * (seconds - x @ w)
+        self._P = (self._P - np.outer(k, Px)) / self.forget
+        # a cost is never negative: clamp so a noisy phase cannot make prefill look free
+        w = np.maximum(w, [1e-5, 1e-8 / self._scale[1], 0.0])
+        self.theta = w * self._scale
+        self.samples += 1
+
+    def added_seconds(self, start: int, n: int) -> float:
+        """Seconds a chunk of n tokens after `start` cached ones adds to a step."""
+        _, b, c = self.theta
+        return float(b * n + c * attended(start, n))
+
+    def prefill_bound(self, start: int, limit: int, allowance: float, floor: int = 1) -> int:
+        """The most tokens (floor..limit) of a chunk after `start` cached tokens that add at most `allowance`
+        seconds to a step."""
+        if limit <= 0:
+            return 0
+        if limit <= floor or self.added_seconds(start, limit) <= allowance:
+            return limit
+        lo, hi = floor, limit  # the answer is the largest n in lo..hi with extra(n) <= allowance, or lo
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.added_seconds(start, mid) <= allowance:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def snapshot(self) -> dict:
+        a, b, c = (float(v) for v in self.theta)
+        return {"fixed_s": a, "per_token_s": b, "per_attended_s": c, "samples": self.samples}
