@@ -21,7 +21,7 @@ COMMON_FIELDS = {
     # lorafleet extensions (vLLM's names); cache_salt scopes the prefix cache (see parse_cache_salt)
     "top_k", "ignore_eos", "repetition_penalty", "return_tokens_as_token_ids", "cache_salt",
 }
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of", "prompt_as_text"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
 MAX_STOP = 4
@@ -29,6 +29,7 @@ MAX_N = 8
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs` (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # /v1/chat/completions `top_logprobs`
 MAX_LOGIT_BIAS = 300
+MIN_REPETITION_PENALTY = 0.01  # the worker's floor too (inference_worker/sampling.py)
 MAX_CACHE_SALT = 256  # characters
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's legacy default)
 
@@ -60,6 +61,7 @@ class GenerationParams:
     messages: list[dict[str, str]] = field(default_factory=list)  # chat
     max_tokens_param: str = "max_tokens"  # the field the caller set it with (chat: or max_completion_tokens)
     cache_salt: str = ""  # "": the prefix cache is scoped to (tenant, adapter) only
+    prompt_as_text: bool = False  # completions: control-token strings in the prompt are text (gateway/prompt_text.py)
 
 
 def read_body(request) -> bytes:
@@ -106,6 +108,7 @@ def parse_completion(body: dict[str, Any]) -> GenerationParams:
                           f"to rank server-side. Ask for n={best_of} choices with logprobs and rank them yourself, "
                           f"or leave best_of unset (or equal to n).", param="best_of", code="unsupported_parameter")
     params.echo = _bool(body, "echo")
+    params.prompt_as_text = _bool(body, "prompt_as_text")
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if not _is_int(logprobs) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
@@ -197,8 +200,9 @@ def _common(body: dict[str, Any], *, max_tokens_field: str, default_max_tokens: 
             raise invalid("stream_options may only hold include_usage.", param="stream_options")
         include_usage = bool(options.get("include_usage", False))
     repetition_penalty = _number(body, "repetition_penalty", default=1.0, lo=0.0, hi=2.0)
-    if repetition_penalty <= 0.0:
-        raise invalid("repetition_penalty must be greater than 0 and at most 2 (1 = off).", param="repetition_penalty")
+    if repetition_penalty < MIN_REPETITION_PENALTY:  # 1e-38 divides a logit past float32's range (issue 47)
+        raise invalid(f"repetition_penalty must be a number from {MIN_REPETITION_PENALTY:g} to 2 (1 = off); got "
+                      f"{repetition_penalty!r}.", param="repetition_penalty")
     return GenerationParams(
         model=model.strip(), max_tokens=max_tokens, max_tokens_param=max_tokens_field, temperature=temperature,
         top_p=top_p, top_k=top_k, cache_salt=parse_cache_salt(body.get("cache_salt")),
@@ -240,10 +244,12 @@ def _logit_bias(value: Any) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, bias in value.items():
         token = str(key).strip()
-        if not token.isdigit() or isinstance(bias, bool) or not isinstance(bias, (int, float)) \
-                or not -100 <= bias <= 100:
-            raise invalid(f"logit_bias maps token ids (as strings) to numbers from -100 to 100; got "
-                          f"{key!r}: {bias!r}.", param="logit_bias")
+        # ASCII digits only: str.isdigit() also takes "²", which int() refuses (issue 47), and 9 digits are
+        # past any vocabulary, so int() never meets a 5,000-digit key (Python refuses those too).
+        if not (token.isascii() and token.isdigit() and len(token) <= 9) or isinstance(bias, bool) \
+                or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise invalid(f"logit_bias maps token ids (as strings of digits) to numbers from -100 to 100; got "
+                          f"{repr(key)[:24]}: {repr(bias)[:24]}.", param="logit_bias")
         out[int(token)] = float(bias)
     return out
 

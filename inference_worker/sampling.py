@@ -19,6 +19,7 @@ could still become a stop string. The stop text itself is never part of the outp
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -29,14 +30,26 @@ import torch
 from kernels import argmax_rows
 from protocol.jobs import GenerationJob
 
+log = logging.getLogger(__name__)
+
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS). A tiny but positive temperature would
 # otherwise overflow logits / t to inf and the softmax to NaN; greedy is its limit anyway.
 MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+# The ranges in which no accepted combination makes a non-finite distribution (issue 47): a positive logit is
+# divided by repetition_penalty (1e-38 would overflow float32), biases and penalties are added to logits.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range
+MAX_ABS_PENALTY = 2.0  # presence_penalty and frequency_penalty (OpenAI's range)
 
 
 class NonFiniteLogits(ValueError):
     """A row's logits hold NaN or inf (e.g. an adapter whose weights overflow): only that request fails."""
+
+
+class SamplingFailed(RuntimeError):
+    """Sampling a row raised: only that request fails, with this sentence (the library's text goes to the log,
+    never into an answer)."""
 
 
 @dataclass(frozen=True)
@@ -76,18 +89,20 @@ class SamplingParams:
         if self.top_k < 0:
             return "top_k must be >= 0"
         for name in ("presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                return f"{name} must be a finite number"
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            return "repetition_penalty must be a finite number > 0"
+            if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:  # also refuses NaN
+                return f"{name} must be a number from {-MAX_ABS_PENALTY:g} to {MAX_ABS_PENALTY:g}"
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            return (f"repetition_penalty must be a number from {MIN_REPETITION_PENALTY:g} to "
+                    f"{MAX_REPETITION_PENALTY:g} (1 = off)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             return f"logprobs must be in 0..{MAX_LOGPROBS}"
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids):
             return "logit_bias names a token twice"
         for t, b in self.logit_bias:
-            if not math.isfinite(b) or (vocab_size is not None and not 0 <= t < vocab_size):
-                return f"logit_bias must map token ids in 0..{(vocab_size or 1) - 1} to finite numbers"
+            if not -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS or (vocab_size is not None and not 0 <= t < vocab_size):
+                return (f"logit_bias must map token ids in 0..{(vocab_size or 1) - 1} to numbers from "
+                        f"{-MAX_ABS_LOGIT_BIAS:g} to {MAX_ABS_LOGIT_BIAS:g}")
         return None
 
 
@@ -113,7 +128,11 @@ class RequestSampler:
         """logits: [vocab] (any device). Returns one token id."""
         p = self.params
         # fp32, temperature >= MIN_TEMPERATURE and finite logits: x stays finite, and softmax subtracts the max
-        x = logits.detach().to("cpu", torch.float32) / max(p.temperature, MIN_TEMPERATURE)  # [vocab]
+        t = max(p.temperature, MIN_TEMPERATURE)
+        logits = logits.detach().to("cpu", torch.float32)
+        x = logits / t  # [vocab]
+        if not math.isfinite(float(x.max())):  # logits near float32's limit over a small temperature: shift first
+            x = (logits - logits.max()) / t  # the same distribution; the largest is 0, the rest <= 0 or -inf
         vocab = x.shape[0]
         if 0 < p.top_k < vocab:
             kth = torch.topk(x, p.top_k).values[-1]
@@ -208,7 +227,9 @@ def apply_processors(logits: torch.Tensor, states: list[SequenceSampling], skip=
     if rep_r:
         at = index(rep_r, rep_t)
         v, penalty = logits[at], torch.tensor(rep_p, dtype=logits.dtype, device=dev)
-        logits[at] = torch.where(v > 0, v / penalty, v * penalty)
+        # a finite logit divided by 0.01 may pass float32's largest: kept at it, so the row stays finite
+        finite = torch.finfo(logits.dtype)
+        logits[at] = torch.where(v > 0, v / penalty, v * penalty).clamp_(finite.min, finite.max)
     if pen_r:
         logits.index_put_(index(pen_r, pen_t), -torch.tensor(pen_v, dtype=logits.dtype, device=dev), accumulate=True)
 
@@ -264,7 +285,7 @@ def sample_step(logits: torch.Tensor, states: list[SequenceSampling]) -> StepSam
     if ask:  # raw logprobs, before anything below changes the logits
         ask_idx = torch.tensor(ask, dtype=torch.int64, device=logits.device)
         lp = torch.log_softmax(logits.index_select(0, ask_idx), dim=-1)  # [A, vocab]
-        k = max(states[row].logprobs or 0 for row in ask)
+        k = min(max(states[row].logprobs or 0 for row in ask), logits.shape[-1])
         top = torch.topk(lp, k, dim=-1) if k else None
     if any(st.processed for st in states):
         apply_processors(logits, states, failed)
@@ -274,8 +295,10 @@ def sample_step(logits: torch.Tensor, states: list[SequenceSampling]) -> StepSam
             continue
         try:
             tokens[row] = st.sampler.sample(logits[row])
-        except Exception as exc:  # this request only
-            failed[row] = exc
+        except Exception as exc:  # this request only; torch's own words stay in the log
+            log.exception("sampling a token failed")
+            failed[row] = SamplingFailed("sampling the next token failed for this request")
+            failed[row].__cause__ = exc
     entries: dict[int, dict] = {}
     if ask:
         chosen = torch.tensor([tokens[row] for row in ask], dtype=torch.int64, device=lp.device)
