@@ -421,20 +421,27 @@ class Engine:
     def _wake_up(self) -> None:
         self._wake.set()
 
+    def run_step(self) -> bool:
+        """One iteration of the step loop: take the inbox, admit, run one step. False when nothing runs. The
+        engine thread calls it; tests call it on an engine that was never started, to count steps."""
+        self._drain_inbox()
+        self._admit()
+        if not self._running:
+            return False
+        self._step()
+        return True
+
     def _loop(self) -> None:
         team_released = False
         while not self._stopping:
             try:
-                self._drain_inbox()
-                self._admit()
-                if not self._running:
+                if not self.run_step():
                     if not team_released:  # idle: no OpenMP team held for nothing (inference_worker/openmp.py)
                         team_released = release_thread_team()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 team_released = False
-                self._step()
             except Exception:  # a bug must not kill the worker: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 for req in list(self._running):
