@@ -1,5 +1,6 @@
 """The README quotes only figures that bench/RESULTS.md records (scripts/check_readme_figures.py, run by
 `make test`): a figure changed on one side alone fails, and says which line and which figure."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,19 @@ def test_a_readme_without_its_how_fast_section_fails_rather_than_proving_nothing
     out = run_check(tmp_path, readme=readme)
     assert out.returncode == 1
     assert "no '## How fast' section" in out.stderr
+
+
+def test_the_readme_reads_as_a_product_page():
+    """Issue 49's bounds: at most 250 lines, the two commands on the first screen, no CPU family or model
+    numbers (those belong with the runs in bench/RESULTS.md), and every link it gives leads to a file."""
+    readme = (ROOT / "README.md").read_text()
+    lines = readme.split("\n")
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail into docs/"
+    first_screen = "\n".join(lines[:40])
+    assert "make demo" in first_screen and "make test" in first_screen
+    cpu_ids = re.findall(r"family \d+|model \d+ \(|\bZen \d\b", readme)
+    assert not cpu_ids, f"CPU family/model numbers in README.md: {cpu_ids}; cite the run in bench/RESULTS.md instead"
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme) if "://" not in t]
+    assert targets, "the README links to its guides"
+    missing = [t for t in targets if t and not (ROOT / t).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
