@@ -254,6 +254,9 @@ LORAFLEET_MAX_ATTEMPTS = env_int("LORAFLEET_MAX_ATTEMPTS", 3)
 LORAFLEET_DEV_METRICS_TOKEN = "lorafleet-dev-metrics-token"  # noqa: S105 (documented; never used in production)
 LORAFLEET_METRICS_TOKEN = env_str("LORAFLEET_METRICS_TOKEN", "" if LORAFLEET_PRODUCTION else LORAFLEET_DEV_METRICS_TOKEN)
 LORAFLEET_METRICS_TENANT_LABELS = env_bool("LORAFLEET_METRICS_TENANT_LABELS", default=False)
+# The worker's exporter (inference_worker/metrics_server.py) answers the same token, and listens on this address
+# unless `run_worker --metrics-addr` says otherwise: loopback, so a worker host exposes nothing by default.
+LORAFLEET_WORKER_METRICS_ADDR = env_str("LORAFLEET_WORKER_METRICS_ADDR", "127.0.0.1")
 
 # Dashboard and admin logins (gateway/login_limits.py): after this many failed attempts for one username from
 # one client address, that pair is refused (429) for the lockout, correct password or not.

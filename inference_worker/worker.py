@@ -327,12 +327,20 @@ class EngineCollector:
             yield counter("jobs_reclaimed", "Jobs of dead workers this worker handed back to their pool.", c["reclaimed"])
 
 
-def start_metrics_server(runtime: WorkerRuntime, port: int, addr: str = "127.0.0.1") -> int:
-    from prometheus_client import CollectorRegistry, start_http_server
+def start_metrics_server(runtime: WorkerRuntime, port: int, addr: str = "127.0.0.1", token: str | None = None) -> int:
+    """The exporter (inference_worker/metrics_server.py), behind `token`: by default the web's metrics token
+    (LORAFLEET_METRICS_TOKEN), so one Prometheus credential scrapes both."""
+    from prometheus_client import CollectorRegistry
 
+    from .metrics_server import serve
+
+    if token is None:
+        from django.conf import settings
+
+        token = settings.LORAFLEET_METRICS_TOKEN
     registry = CollectorRegistry()
     registry.register(EngineCollector(runtime))
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    server = serve(registry, port=port, addr=addr, token=token)
     runtime.metrics_port = server.server_port
     return runtime.metrics_port
 

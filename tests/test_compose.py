@@ -245,6 +245,15 @@ def test_prometheus_scrapes_the_workers_exporter_on_the_port_and_address_the_wor
     assert "ports" not in SERVICES["worker"]  # ...and from nothing outside the compose network
 
 
+def test_prometheus_scrapes_the_workers_exporter_with_the_token_web_requires():
+    """The worker's exporter answers only LORAFLEET_METRICS_TOKEN (inference_worker/metrics_server.py): the
+    worker job sends the same secret as the web job, and every worker service gets the variable."""
+    assert _job("lorafleet-worker")["authorization"] == _job("lorafleet-web")["authorization"]
+    for name in ("worker", "worker-dedicated"):
+        assert "LORAFLEET_METRICS_TOKEN" in SERVICES[name]["environment"]
+        assert "ports" not in SERVICES[name]
+
+
 def test_the_web_healthcheck_is_not_redirected_to_https():
     test = " ".join(SERVICES["web"]["healthcheck"]["test"])
     assert "X-Forwarded-Proto': 'https'" in test

@@ -163,17 +163,38 @@ class Stack:
                            "--metrics-port", str(port), "--loglevel", "WARNING", *args], {**self.env, **(env or {})},
                     self.root)
         self.procs.append(proc)
-        metrics_url = f"http://127.0.0.1:{port}/metrics"
-        wait_until(lambda: httpx.get(metrics_url, timeout=2).status_code == 200, 120, f"{name} metrics", (proc,))
-        return SimpleNamespace(proc=proc, metrics_url=metrics_url)
+        metrics_url, token = f"http://127.0.0.1:{port}/metrics", metrics_token({**self.env, **(env or {})})
+        wait_until(lambda: httpx.get(metrics_url, headers=bearer(token), timeout=2).status_code == 200, 120,
+                   f"{name} metrics", (proc,))
+        return SimpleNamespace(proc=proc, metrics_url=metrics_url, metrics_token=token)
 
     def close(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
 
 
-def worker_metric(metrics_url: str, name: str) -> float:
-    for line in httpx.get(metrics_url, timeout=5).text.splitlines():
+def metrics_token(env: dict) -> str:
+    """The token a process started with `env` wants on /metrics (web and worker alike): LORAFLEET_METRICS_TOKEN, or
+    the documented development one that config/settings.py falls back to outside production."""
+    from django.conf import settings
+
+    return env.get("LORAFLEET_METRICS_TOKEN") or settings.LORAFLEET_DEV_METRICS_TOKEN
+
+
+def bearer(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def worker_metric(worker, name: str) -> float:
+    """One series of a worker's exporter (`worker.metrics_url`), fetched with its token (`worker.metrics_token`)."""
+    return scrape_metric(worker.metrics_url, name, worker.metrics_token)
+
+
+def scrape_metric(metrics_url: str, name: str, token: str) -> float:
+    """One series of an exporter that answers the bearer `token` (inference_worker/metrics_server.py)."""
+    r = httpx.get(metrics_url, headers=bearer(token), timeout=5)
+    assert r.status_code == 200, f"{metrics_url} with the token: {r.status_code} {r.text[:300]}"
+    for line in r.text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not exported at {metrics_url}")
@@ -244,7 +265,8 @@ def e2e(tmp_path_factory):
         worker = stack.start_worker(seed["bases"]["main"]["slug"])
         yield SimpleNamespace(stack=stack, seed=seed, url=stack.web_url, worker=worker, root=root,
                               storage=root / "storage", checkpoint=checkpoint, db_url=env["DATABASE_URL"],
-                              suffix=suffix, env=env, metric=worker_metric, post=_poster(stack.web_url),
+                              suffix=suffix, env=env, post=_poster(stack.web_url),
+                              metric=lambda url, name: scrape_metric(url, name, env["LORAFLEET_METRICS_TOKEN"]),
                               web_metrics=lambda: web_metrics(stack.web_url, env["LORAFLEET_METRICS_TOKEN"]))
     finally:
         stack.close()

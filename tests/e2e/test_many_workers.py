@@ -38,7 +38,18 @@ import pytest
 import redis
 from psycopg.rows import dict_row
 
-from tests.e2e.conftest import PYTHON, Proc, Stack, _reachable, _require, free_port, wait_until, worker_metric
+from tests.e2e.conftest import (
+    PYTHON,
+    Proc,
+    Stack,
+    _reachable,
+    _require,
+    bearer,
+    free_port,
+    metrics_token,
+    wait_until,
+    worker_metric,
+)
 from tests.support.traffic import Traffic
 
 FULL = os.environ.get("LORAFLEET_FAULTS_FULL", "").lower() in ("1", "true", "yes")
@@ -179,12 +190,14 @@ def start_workers(fl, n: int, tag: str, args: tuple[str, ...] = WORKER_ARGS, env
                     fl.root)
         fl.stack.procs.append(proc)
         fl.workers_started.append(proc)
-        workers.append(SimpleNamespace(proc=proc, metrics_url=f"http://127.0.0.1:{port}/metrics"))
+        workers.append(SimpleNamespace(proc=proc, metrics_url=f"http://127.0.0.1:{port}/metrics",
+                                       metrics_token=metrics_token({**fl.env, **(env or {})})))
     procs = tuple(w.proc for w in workers)
     wait_until(lambda: len(live(fl, {p.popen.pid for p in procs})) == n, 180, f"{n} workers' heartbeats", procs)
     for w in workers:
         w.worker_id = live(fl, {w.proc.popen.pid})[0]["worker_id"]
-        wait_until(lambda url=w.metrics_url: httpx.get(url, timeout=2).status_code == 200, 60, "metrics", (w.proc,))
+        wait_until(lambda w=w: httpx.get(w.metrics_url, headers=bearer(w.metrics_token), timeout=2).status_code == 200,
+                   60, "metrics", (w.proc,))
     return workers
 
 
@@ -237,8 +250,8 @@ def run_sequence(fl, url: str, sequence: list[str]) -> list[dict]:
 
 def loads(workers) -> dict[str, float]:
     """Summed over the workers: cold loads (storage -> verified -> host) and device loads (host -> pool)."""
-    return {"cold": sum(worker_metric(w.metrics_url, "lorafleet_worker_cache_misses_total") for w in workers),
-            "device": sum(worker_metric(w.metrics_url, "lorafleet_worker_cache_device_loads_total") for w in workers)}
+    return {"cold": sum(worker_metric(w, "lorafleet_worker_cache_misses_total") for w in workers),
+            "device": sum(worker_metric(w, "lorafleet_worker_cache_device_loads_total") for w in workers)}
 
 
 def residency(fl, workers) -> Counter:

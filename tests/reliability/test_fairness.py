@@ -239,13 +239,13 @@ def _run_mode(rel_stack, tenants: dict, *, fair: bool) -> dict:
             "vocab": tenants["vocab"]})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             time.sleep(FLOOD_WARM_S)
-            tokens0, t0 = worker_metric(worker.metrics_url, "lorafleet_worker_tokens_generated_total"), time.monotonic()
-            steps0 = worker_metric(worker.metrics_url, "lorafleet_worker_steps_total")
-            batch0 = worker_metric(worker.metrics_url, "lorafleet_worker_batch_size_sum_total")
+            tokens0, t0 = worker_metric(worker, "lorafleet_worker_tokens_generated_total"), time.monotonic()
+            steps0 = worker_metric(worker, "lorafleet_worker_steps_total")
+            batch0 = worker_metric(worker, "lorafleet_worker_batch_size_sum_total")
             flooded = _summary(_small_phase(url, tenants["small"], FLOOD_S))
-            tokens1, t1 = worker_metric(worker.metrics_url, "lorafleet_worker_tokens_generated_total"), time.monotonic()
-            steps1 = worker_metric(worker.metrics_url, "lorafleet_worker_steps_total")
-            batch1 = worker_metric(worker.metrics_url, "lorafleet_worker_batch_size_sum_total")
+            tokens1, t1 = worker_metric(worker, "lorafleet_worker_tokens_generated_total"), time.monotonic()
+            steps1 = worker_metric(worker, "lorafleet_worker_steps_total")
+            batch1 = worker_metric(worker, "lorafleet_worker_batch_size_sum_total")
             out, err = flooder.communicate(timeout=FLOOD_WARM_S + FLOOD_S + 240)
         finally:
             if flooder.poll() is None:

@@ -45,7 +45,9 @@ class Command(BaseCommand):
         parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
         parser.add_argument("--metrics-port", type=int, default=9100,
                             help="Prometheus exporter port; 0 picks a free one (default %(default)s)")
-        parser.add_argument("--metrics-addr", default="127.0.0.1")
+        parser.add_argument("--metrics-addr", default=settings.LORAFLEET_WORKER_METRICS_ADDR,
+                            help="address the exporter listens on (default %(default)s, from "
+                                 "LORAFLEET_WORKER_METRICS_ADDR); it answers only the bearer LORAFLEET_METRICS_TOKEN")
         parser.add_argument("--memory-fraction", type=float, default=None,
                             help="CUDA: share of the device's total memory for weights, workspace and the one "
                                  "pool of KV blocks and adapters (default 0.90)")
