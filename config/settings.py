@@ -261,12 +261,12 @@ LORAFLEET_WORKER_METRICS_ADDR = env_str("LORAFLEET_WORKER_METRICS_ADDR", "127.0.
 # Dashboard and admin logins (gateway/login_limits.py): after this many failed attempts for one username from
 # one client address, that pair is refused (429) for the lockout, correct password or not.
 LORAFLEET_LOGIN_MAX_FAILURES = env_int("LORAFLEET_LOGIN_MAX_FAILURES", 5)
-LORAFLEET_LOGIN_LOCKOUT_S = env_int("LORAFLEET_LOGIN_LOCKOUT_S", 15 * 60)
-
-# --- e-mail (invitation links, tenants/invitations.py) ------------------------------------------
 # ...and after this many failed attempts from one address over all usernames (credential stuffing), that address
 # is refused for every username for the same lockout; successes do not reset it.
 LORAFLEET_LOGIN_MAX_FAILURES_PER_ADDRESS = env_int("LORAFLEET_LOGIN_MAX_FAILURES_PER_ADDRESS", 20)
+LORAFLEET_LOGIN_LOCKOUT_S = env_int("LORAFLEET_LOGIN_LOCKOUT_S", 15 * 60)
+
+# --- e-mail (invitation links, tenants/invitations.py) ------------------------------------------
 # The embedded default prints mails to the web process's log (they carry the invitation link); production
 # sets DJANGO_EMAIL_BACKEND=django.core.mail.backends.smtp.EmailBackend and the DJANGO_EMAIL_* server below.
 EMAIL_BACKEND = env_str("DJANGO_EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
