@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from csp import constants as csp_constants
 from django.core.exceptions import ImproperlyConfigured
 
 from .env import database_from_url, env_bool, env_float, env_int, env_list, env_str
@@ -36,12 +37,13 @@ DJANGO_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
 ]
-THIRD_PARTY_APPS = ["rest_framework", "drf_spectacular"]
+THIRD_PARTY_APPS = ["rest_framework", "drf_spectacular", "csp"]
 LOCAL_APPS = ["tenants", "adapters", "gateway", "dashboard", "inference_worker", "demo"]
 INSTALLED_APPS = DJANGO_APPS + THIRD_PARTY_APPS + LOCAL_APPS
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "csp.middleware.CSPMiddleware",  # Content-Security-Policy (below)
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -52,6 +54,26 @@ MIDDLEWARE = [
     "gateway.middleware.ApiErrorsMiddleware",  # /v1/: JSON errors, 503 database_unavailable
     "gateway.middleware.LoginThrottleMiddleware",  # dashboard and admin logins: lockout after repeated failures
 ]
+
+# --- Content-Security-Policy (django-csp) ------------------------------------------------------
+# Every page loads its scripts and styles from this origin only (static/): no inline script, style block or
+# style="" attribute, no eval, no framing, forms post only here. An inline <script> must carry
+# nonce="{{ request.csp_nonce }}" (the nonce is fresh per response). The browser suite checks that every
+# dashboard page renders with no violation (tests/dashboard/test_csp.py).
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": [csp_constants.SELF],
+        "script-src": [csp_constants.SELF, csp_constants.NONCE],
+        "style-src": [csp_constants.SELF],
+        "img-src": [csp_constants.SELF, "data:"],
+        "font-src": [csp_constants.SELF],
+        "connect-src": [csp_constants.SELF],
+        "object-src": [csp_constants.NONE],
+        "base-uri": [csp_constants.NONE],
+        "form-action": [csp_constants.SELF],
+        "frame-ancestors": [csp_constants.NONE],
+    },
+}
 
 # --- production: HTTPS ------------------------------------------------------------------------
 # `manage.py check --deploy` prints no warnings in production (tests/foundation/test_deploy_settings.py).
