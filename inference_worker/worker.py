@@ -200,8 +200,14 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
         # the engine verifies each blob's sha256
         fair = os.environ.get("LORAFLEET_WORKER_FAIR", "1").lower() not in ("0", "false", "no")  # 0: FIFO
         host_cache = {} if host_cache_mb is None else {"host_cache_bytes": int(host_cache_mb * 1e6)}
+        # 0: no prefix cache (every prompt read in full); the step factor bounds the prefill a step carries while
+        # other tenants' decodes ride in it (engine.py, step_cost.py)
+        prefix_cache = os.environ.get("LORAFLEET_WORKER_PREFIX_CACHE", "1").lower() not in ("0", "false", "no")
+        step_factor = float(os.environ.get("LORAFLEET_WORKER_PREFILL_STEP_FACTOR", "1.5"))
+        if not step_factor > 1.0:
+            raise ValueError("LORAFLEET_WORKER_PREFILL_STEP_FACTOR must be a number above 1 (1.5 by default)")
         engine = Engine(runner, load_blob, max_running=max_running, prefill_chunk=prefill_chunk, fair=fair,
-                        **host_cache)
+                        prefix_cache=prefix_cache, prefill_step_factor=step_factor, **host_cache)
         engine.start()
         _runtime = WorkerRuntime(base_slug=base_slug, base_sha256=base_sha256, queue=queue,
                                  checkpoint_path=str(checkpoint_path), engine=engine,
@@ -307,6 +313,22 @@ class EngineCollector:
                     mem.get("adapter_bytes_resident"))
         yield counter("admissions_waited_memory", "Requests that waited at admission for KV or adapter pages.",
                       s.get("admissions_waited_memory"))
+        yield gauge("running_sequences", "Sequences running (n per request; a prompt's waiting choices included).",
+                    s.get("running_sequences"))
+        yield gauge("preempted_sequences", "Sequences preempted and waiting to re-read their tokens.",
+                    s.get("preempted_sequences"))
+        yield counter("preemptions", "Sequences preempted (KV given back, recomputed later).", s.get("preemptions"))
+        yield counter("preemptions_for_share", "Preemptions of a tenant above its share for one within its own.",
+                      s.get("preemptions_for_share"))
+        yield counter("recomputed_tokens", "Tokens re-read after preemptions.", s.get("recomputed_tokens"))
+        yield counter("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
+                      s.get("prefix_cache_query_tokens"))
+        yield counter("prefix_cache_hit_tokens", "Prompt tokens whose KV the prefix cache gave (hit rate: divide by the "
+                      "query tokens).", s.get("prefix_cache_hit_tokens"))
+        yield gauge("prefix_cache_blocks", "KV blocks the prefix cache names (in use or free but remembered).",
+                    s.get("prefix_cache_blocks"))
+        yield counter("prefix_cache_evictions", "Cached KV blocks whose pages were taken for something else.",
+                      s.get("prefix_cache_evictions"))
         by_rank = GaugeMetricFamily("lorafleet_worker_resident_adapters_by_rank", "Resident adapters by LoRA rank.",
                                     labels=labels + ["rank"])
         for rank, n in (mem.get("resident_adapters_by_rank") or {}).items():
