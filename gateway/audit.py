@@ -60,8 +60,9 @@ def sha256_text(text: str) -> str:
 
 
 def record_refusal(draft: AuditDraft, *, http_status: int, error_code: str, error_message: str) -> AuditRecord:
-    """One final row for a request that never reached a queue."""
-    return AuditRecord.objects.create(
+    """One final row for a request that never reached a queue; its id is noted on the draft, so that nothing
+    later writes a second row for the request (gateway/request_guard.py)."""
+    record = AuditRecord.objects.create(
         **draft.identity(),
         status=AuditStatus.ERROR,
         http_status=http_status,
@@ -71,6 +72,8 @@ def record_refusal(draft: AuditDraft, *, http_status: int, error_code: str, erro
         total_seconds=draft.elapsed(),
         logprobs_returned=False,
     )
+    draft.record_id = record.pk
+    return record
 
 
 def open_pending(draft: AuditDraft) -> AuditRecord:

@@ -2,9 +2,13 @@
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": "..."}}
 
-The `code` is what clients (and our audit log) branch on; `message` is a sentence for a human.
+The `code` is what clients (and our audit log) branch on; `message` is a sentence for a human, always ours:
+no answer carries an exception's or a library's own text (issue 47). Where a worker's internal failure says
+more, that goes to the audit row only (`ApiError.detail`).
 """
 from __future__ import annotations
+
+import re
 
 from django.http import JsonResponse
 
@@ -23,6 +27,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        detail: str | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -31,6 +36,12 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.headers = dict(headers or {})
+        self.detail = detail  # for the audit row, never the answer
+
+    @property
+    def audit_text(self) -> str:
+        """What the audit row records: the detail where there is one, else the answer's sentence."""
+        return self.detail or self.message
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -118,14 +129,24 @@ _WORKER_ERROR_PARAM = {ErrorCode.PROMPT_TOO_LONG: "prompt", ErrorCode.ADAPTER_TO
                        ErrorCode.NON_FINITE_LOGITS: "model"}
 
 
+_UNKNOWN_CODE = re.compile(r" \(worker error code '[^']{0,50}'\)$")
+
+
 def from_worker(code: ErrorCode | str | None, message: str | None) -> ApiError:
     """The API's answer to a worker's error: the code's HTTP status, and its value as `error.code` (and so in
     the audit row). A code this server does not know (a newer worker) is an internal_error naming it."""
     known = ErrorCode.parse(code)
     text = message or known.value.replace("_", " ")
+    detail = None
+    if known is ErrorCode.INTERNAL_ERROR:
+        # An internal failure's text may be an exception's (torch's, the tokenizer's): the audit row keeps it.
+        # protocol.jobs.GenerationResult names a code it did not know at the end of the message: that stays.
+        named = _UNKNOWN_CODE.search(text)
+        detail, text = text, f"The worker failed while answering this request{named.group(0) if named else ''}."
     if code and code != known:
         text = f"{text.rstrip('.')} (worker error code {str(code)[:50]!r})"
     if known in _WORKER_ERROR_HINTS:
         text = f"{text.rstrip('.')}. {_WORKER_ERROR_HINTS[known]}"
     kind = "invalid_request_error" if known.http_status < 500 else "server_error"
-    return ApiError(known.http_status, known.value, text, type=kind, param=_WORKER_ERROR_PARAM.get(known))
+    return ApiError(known.http_status, known.value, text, type=kind, param=_WORKER_ERROR_PARAM.get(known),
+                    detail=detail)

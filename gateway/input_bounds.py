@@ -38,11 +38,11 @@ MAX_STOP_CHARS = 1_000  # one stop string; the output it would have to match is 
 
 
 class TooLong(Exception):
-    """The text has more tokens than the budget: at least `tokens`."""
+    """The text has more tokens than the budget: at least `tokens` (exactly, when `exact`)."""
 
-    def __init__(self, tokens: int):
+    def __init__(self, tokens: int, *, exact: bool = False):
         super().__init__(tokens)
-        self.tokens = tokens
+        self.tokens, self.exact = tokens, exact
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def encode_within(facts: TokenizerFacts, text: str, budget: int, encode: Callabl
             pos = end
     ids = encode(text)
     if len(ids) > budget:
-        raise TooLong(len(ids))
+        raise TooLong(len(ids), exact=True)
     return ids
 
 

@@ -117,7 +117,7 @@ def count_and_check(base, params: GenerationParams, *, param: str) -> int:
     try:
         n = _count_prompt(base, params, budget, param=param)
     except TooLong as err:
-        raise _too_long(context, err.tokens, params, param=param, at_least=True) from None
+        raise _too_long(context, err.tokens, params, param=param, at_least=not err.exact) from None
     if n > budget:
         raise _too_long(context, n, params, param=param, at_least=False)
     if params.max_tokens is None:  # chat without max_tokens: as much as the context leaves
@@ -129,7 +129,7 @@ def _count_prompt(base, params: GenerationParams, budget: int, *, param: str) ->
     if params.prompt_token_ids is not None:
         n = len(params.prompt_token_ids)
         if n > budget:  # before looking at a million ids one by one
-            raise TooLong(n)
+            raise TooLong(n, exact=True)
         vocab = int(base.shape_manifest.get("vocab_size") or 0)
         if vocab and any(t >= vocab for t in params.prompt_token_ids):
             raise invalid(f"Prompt token ids must be below the vocabulary size {vocab}.", param=param)
@@ -139,7 +139,10 @@ def _count_prompt(base, params: GenerationParams, budget: int, *, param: str) ->
     added = tokenizer.num_special_tokens_to_add(pair=False)  # BOS and the like, as the worker's encode adds them
     as_text = params.prompt_as_text
     encode = (lambda s: prompt_text.text_ids(facts, s)) if as_text else _encoder(facts)
-    n = len(encode_within(facts, params.prompt, budget - added, encode)) + added
+    try:
+        n = len(encode_within(facts, params.prompt, budget - added, encode)) + added
+    except TooLong as err:
+        raise TooLong(err.tokens + added, exact=err.exact) from None
     if as_text:
         params.prompt_token_ids = list(facts.text_backend.encode(params.prompt, add_special_tokens=True).ids)
         n = len(params.prompt_token_ids)

@@ -20,7 +20,7 @@ from adapters.models import AdapterVersion
 from protocol.errors import ErrorCode
 from protocol.jobs import AdapterRef, GenerationJob, GenerationResult, JobMeta
 
-from . import audit, metrics
+from . import audit, metrics, request_guard
 from .auth import KeyRefused, authenticate
 from .binding import Target, resolve_target
 from .errors import ApiError, database_unavailable, from_worker, internal_error, invalid, queue_unavailable, timed_out
@@ -72,14 +72,10 @@ def serve(request, *, route: str, chat: bool) -> HttpResponse:
         log.warning("database unavailable while serving %s: %s: %s", draft.request_id, type(exc).__name__,
                     str(exc).strip().splitlines()[0] if str(exc).strip() else "")
         return _error(draft, database_unavailable())
-    except Exception:
+    except Exception:  # the guard around the whole path: one row and our own words, whatever raised (issue 47)
         log.exception("internal error while serving %s", draft.request_id)
         err = internal_error()
-        if draft.record_id is not None:
-            try:
-                audit.finalise(draft, ok=False, http_status=500, error_code=err.code, error_message=err.message)
-            except DatabaseError:
-                pass
+        request_guard.close_failed(draft, err)
         return _error(draft, err)
     finally:
         if not streaming:  # a stream releases its slot and counts itself when it ends
@@ -192,16 +188,16 @@ def _enqueue_and_answer(draft, target: Target, params: GenerationParams, *, chat
         err = _result_error(target, result)
         meta_out = metadata(draft.request_id, target, worker_id=worker_id, **served_by(result))
         if err is not None:
-            audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=err.message,
+            audit.finalise(draft, ok=False, http_status=err.status, error_code=err.code, error_message=err.audit_text,
                            result=result, worker_id=worker_id, attempts=attempts)
             return _error(draft, err, meta_out)
         if not params.stream:
+            response = JsonResponse(shapes.full(result, meta_out))  # built first: the row says what the caller got
+            for name, value in metadata_headers(meta_out).items():
+                response[name] = value
             audit.finalise(draft, ok=True, http_status=200, result=result, worker_id=worker_id, attempts=attempts,
                            logprobs_returned=params.logprobs is not None)
             metrics.observe_prompt(target.base.slug, result)
-            response = JsonResponse(shapes.full(result, meta_out))
-            for name, value in metadata_headers(meta_out).items():
-                response[name] = value
             metrics.observe(draft.route, 200, _tenant_label(draft), draft.elapsed())
             return response
     stream = _stream(draft, target, params, shapes, first, events, dispatcher, slot)
@@ -297,8 +293,8 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
                 meta = metadata(draft.request_id, target, worker_id=worker_id, **served_by(result))
                 err = _result_error(target, result)
                 if err is not None:
-                    audit.finalise(draft, ok=False, http_status=200, error_code=err.code, error_message=err.message,
-                                   result=result, worker_id=worker_id, attempts=attempts,
+                    audit.finalise(draft, ok=False, http_status=200, error_code=err.code,
+                                   error_message=err.audit_text, result=result, worker_id=worker_id, attempts=attempts,
                                    logprobs_returned=logprobs_sent)
                     finalised, status = True, err.status
                     yield sse({**err.body(), "lorafleet": meta})
@@ -336,6 +332,13 @@ def _stream(draft, target, params, shapes: Shapes, first: dict, events, dispatch
         audit.finalise(draft, ok=False, http_status=200, error_code=err.code, error_message=err.message,
                        logprobs_returned=logprobs_sent)
         finalised, status = True, err.status
+        yield sse(err.body())
+    except Exception:  # our own failure after the status line went out: in-band, and on the record once
+        log.exception("internal error while streaming %s", draft.request_id)
+        err = internal_error()
+        if not finalised:
+            request_guard.close_failed(draft, err, http_status=200)
+            finalised, status = True, err.status
         yield sse(err.body())
     finally:
         if not finalised:  # the client went away mid-stream

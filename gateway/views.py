@@ -56,11 +56,16 @@ class OpenAIView(APIView):
         return super().perform_content_negotiation(request, force=True)
 
     def handle_exception(self, exc):
-        """DRF's own refusals (405, malformed headers...) in OpenAI's error shape too."""
+        """DRF's own refusals (405, malformed headers...) in OpenAI's error shape too, in our words: no answer
+        carries a library's text (issue 47)."""
         if isinstance(exc, exceptions.APIException):
             codes = exc.get_codes()
             code = codes if isinstance(codes, str) else "invalid_request"
-            return ApiError(exc.status_code, code, str(exc.detail)).response()
+            if isinstance(exc, exceptions.MethodNotAllowed):
+                message = f"This route does not accept {self.request.method[:16]!r}; see /api/docs/."
+            else:
+                message = f"The request was refused (HTTP {exc.status_code}); see /api/docs/."
+            return ApiError(exc.status_code, code, message).response()
         return super().handle_exception(exc)
 
 
