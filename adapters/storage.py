@@ -18,7 +18,67 @@ READ_CHUNK_BYTES = 1024 * 1024
 
 
 class BlobStorageError(RuntimeError):
-    """Storage refused or corrupted a blob; the upload must not be recorded."""
+    """Storage refused or corrupted a blob; the upload must not be recorded.
+
+    `code` says which, for callers and clients to branch on (the message is for people):
+    blob_missing (no object under the key), storage_denied (the credentials may not do that to the bucket),
+    storage_bucket_missing (no such bucket), storage_unreachable (no answer from the storage service),
+    blob_corrupt (an object whose bytes are not its key's sha256), storage_failed (anything else).
+    """
+
+    def __init__(self, message: str, code: str = "storage_failed"):
+        super().__init__(message)
+        self.code = code
+
+
+# S3 error codes (and HTTP statuses, which HEAD requests answer without a body) -> our codes
+_S3_CODES = {
+    "NoSuchKey": "blob_missing", "404": "blob_missing", "NotFound": "blob_missing",
+    "NoSuchBucket": "storage_bucket_missing",
+    "AccessDenied": "storage_denied", "403": "storage_denied", "InvalidAccessKeyId": "storage_denied",
+    "SignatureDoesNotMatch": "storage_denied", "AllAccessDisabled": "storage_denied", "AccountProblem": "storage_denied",
+}
+_SAYS = {
+    "blob_missing": "is not in storage",
+    "storage_bucket_missing": "cannot be reached: the storage bucket does not exist",
+    "storage_denied": "cannot be reached: storage refused access with these credentials",
+    "storage_unreachable": "cannot be reached: the storage service did not answer",
+    "storage_failed": "cannot be reached: storage failed",
+}
+
+
+def storage_error(exc: BaseException, key: str) -> BlobStorageError:
+    """A storage failure on `key` as a BlobStorageError with a code and a sentence of our own; the library's
+    text stays in the log (callers log `exc`), never in what clients are shown."""
+    if isinstance(exc, BlobStorageError):
+        return exc
+    code, detail = "storage_failed", type(exc).__name__
+    if isinstance(exc, FileNotFoundError):
+        code = "blob_missing"
+    elif isinstance(exc, PermissionError):
+        code = "storage_denied"
+    elif isinstance(exc, OSError):  # a local disk's own words ("No space left on device") help the operator
+        detail = exc.strerror or str(exc) or detail
+    else:
+        for cause in _chain(exc):  # boto3's upload wraps the ClientError (S3UploadFailedError)
+            response = getattr(cause, "response", None)  # botocore's ClientError
+            if isinstance(response, dict):
+                error, meta = response.get("Error") or {}, response.get("ResponseMetadata") or {}
+                detail = str(error.get("Code") or meta.get("HTTPStatusCode"))
+                code = _S3_CODES.get(detail, "storage_failed")
+                break
+            if type(cause).__name__ in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                                        "ConnectionClosedError"):
+                code, detail = "storage_unreachable", type(cause).__name__
+                break
+    return BlobStorageError(f"adapter blob {key} {_SAYS[code]} ({detail}).", code)
+
+
+def _chain(exc: BaseException, depth: int = 5):
+    seen: BaseException | None = exc
+    while seen is not None and depth:
+        yield seen
+        seen, depth = seen.__cause__ or seen.__context__, depth - 1
 
 
 class AtomicFileSystemStorage(FileSystemStorage):
@@ -78,8 +138,12 @@ def storage_key_for(sha256: str) -> str:
 
 
 def read_blob(key: str) -> bytes:
-    with adapter_storage().open(key, "rb") as fh:
-        return fh.read()
+    """The blob's bytes (a worker's loader on S3); a failure is a BlobStorageError saying which (storage_error)."""
+    try:
+        with adapter_storage().open(key, "rb") as fh:
+            return fh.read()
+    except Exception as exc:
+        raise storage_error(exc, key) from exc
 
 
 def blob_sha256(key: str) -> str:
@@ -124,4 +188,5 @@ def put_blob(sha256: str, content: BinaryIO) -> tuple[str, bool]:
 def _check_existing(key: str, sha256: str) -> None:
     actual = blob_sha256(key)
     if actual != sha256:
-        raise BlobStorageError(f"stored blob {key} has sha256 {actual}, not {sha256}; refusing to reuse it.")
+        raise BlobStorageError(f"stored blob {key} has sha256 {actual}, not {sha256}; refusing to reuse it.",
+                               "blob_corrupt")

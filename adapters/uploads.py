@@ -34,7 +34,7 @@ from django.utils.datastructures import MultiValueDict
 
 from .models import Adapter, AdapterVersion
 from .services import AdapterStateError, activate_version
-from .storage import BlobStorageError, blob_exists, blob_sha256, delete_blob, put_blob, storage_key_for
+from .storage import BlobStorageError, blob_exists, blob_sha256, delete_blob, put_blob, storage_error, storage_key_for
 from .validation import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
@@ -166,11 +166,14 @@ def _store(sha256: str, content: BinaryIO) -> tuple[str, bool]:
                 delete_blob(key)  # our partial write; a complete blob of the same bytes is left alone
         except Exception:  # the storage is failing; the orphan (if any) is unreferenced garbage
             log.exception("could not clean up after a failed write of %s", key)
-        raise _write_failed(exc) from exc
+        raise _write_failed(exc, key) from exc
 
 
-def _write_failed(exc: Exception) -> BlobStorageError:
-    return BlobStorageError(f"storing the adapter weights failed: {exc}")
+def _write_failed(exc: Exception, key: str) -> BlobStorageError:
+    """The failure as its code and a sentence of ours (adapters.storage.storage_error); the library's text is logged."""
+    log.warning("storing %s failed: %r", key, exc)
+    cause = storage_error(exc, key)
+    return BlobStorageError(f"storing the adapter weights failed: {cause}", cause.code)
 
 
 def _replace_corrupt(key: str, sha256: str, content: BinaryIO, corrupt: BlobStorageError) -> tuple[str, bool]:
@@ -194,7 +197,7 @@ def _replace_corrupt(key: str, sha256: str, content: BinaryIO, corrupt: BlobStor
         except BlobStorageError:
             raise
         except Exception as exc:
-            raise _write_failed(exc) from exc
+            raise _write_failed(exc, key) from exc
 
 
 def _lock_blob(key: str) -> None:

@@ -155,10 +155,10 @@ def _upload(request: HttpRequest, pk: int) -> HttpResponse:
                 )
             except AdapterValidationError as err:
                 error = {"field": err.field, "message": str(err)}
-            except BlobStorageError:
+            except BlobStorageError as err:
                 log.exception("storing a new version of adapter %s failed", adapter.pk)
-                error = {"field": "storage", "message": "Storing the weights failed on our side; nothing was "
-                         "recorded. Please try again in a minute."}
+                error = {"field": "storage", "code": err.code, "message": "Storing the weights failed on our side "
+                         f"({err.code}); nothing was recorded. Please try again in a minute."}
             else:
                 adapter.refresh_from_db(fields=["active_version"])
                 live = adapter.active_version_id == version.pk
@@ -175,7 +175,8 @@ def _upload(request: HttpRequest, pk: int) -> HttpResponse:
             error = {"field": missing, "message": f"{form.fields[missing].label}: {form.errors[missing][0]}"}
         status = 503 if error["field"] == "storage" else 400  # our failure, not the upload's
         if _wants_json(request):
-            return JsonResponse({"ok": False, "field": error["field"], "error": error["message"]}, status=status)
+            code = {"code": error["code"]} if "code" in error else {}  # storage failures say which
+            return JsonResponse({"ok": False, "field": error["field"], "error": error["message"], **code}, status=status)
         return render(request, "adapters/upload.html", {"adapter": adapter, "form": form, "error": error},
                       status=status)
     return render(request, "adapters/upload.html", {"adapter": adapter, "form": form, "error": None})
