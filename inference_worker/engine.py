@@ -41,10 +41,12 @@ order; a tenant that becomes active starts at the least service the active have 
 A request that waits for memory while within its share holds the line (nothing behind it takes the pages it
 waits for, so it cannot starve); one above its share steps aside for the others.
 
-Prefill bounded by step time (step_cost.py): the worker fits a step's seconds to its decode rows, prefill
-tokens and attended positions. When a step carries decodes of a tenant other than the one whose prompt it
-reads, that prompt's chunk is cut so the step costs at most `prefill_step_factor` times the step without it
-(never below one token: a near-context prompt is read a little every step and still finishes).
+Steps bounded by time (step_cost.py): the worker fits a step's seconds to its decode rows, prefill tokens and
+attended positions. When a step carries decodes of a tenant other than the one whose prompt it reads, that
+prompt's chunk is cut so the step costs at most `prefill_step_factor` times the step without it (never below one
+token: a near-context prompt is read a little every step and still finishes). On a CPU a step's time also grows
+with its decode rows: while a tenant within its share decodes, the rows of a tenant above its share ride only
+within the same bound (oldest first, at least one a step; the others keep their KV and wait the step out).
 
 Prefix cache (prefix_cache.py): every full KV block is keyed by a hash chain over (tenant, adapter identity or
 base, cache_salt, token ids); a new or resumed sequence takes the longest run of cached blocks at its start,
@@ -303,6 +305,7 @@ class Engine:
         prefix_cache: bool = True,
         prefill_step_factor: float = 1.5,
         step_cost: StepCost | None = None,
+        reserve_full: bool = False,
     ):
         self.runner = runner
         self.tokenizer = runner.tokenizer
@@ -321,6 +324,9 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.prefill_step_factor = float(prefill_step_factor)
         self.step_cost = step_cost if step_cost is not None else StepCost()
+        # True: a sequence reserves the KV of prompt + max_tokens when it starts, as the engine did before KV was
+        # taken on demand (issue 46); kept for comparisons (bench/scheduling.py), never for serving
+        self.reserve_full = reserve_full
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._waiting: deque[_Request] = deque()  # requests with no running sequence: new, or all preempted
@@ -748,6 +754,8 @@ class Engine:
             return "full"
         cached = self._take_cached(seq) if (req.use_cache or req.forked) else 0
         upto = min(seq.length, seq.num_computed + self.prefill_chunk)
+        if self.reserve_full:
+            upto = max(upto, len(req.prompt_ids) + req.job.max_tokens)
         need = blocks_needed(upto, self.block_size) - len(seq.blocks)
         # keep a little room for the running sequences to grow into (none when nothing runs: a prompt that fits
         # the pool alone must always start)
@@ -830,6 +838,8 @@ class Engine:
                 else:
                     self._finish_seq(q, "length")
         decodes = [q for q in runnable if q.state == RUN and q.length - q.num_computed == 1]
+        allowance: float | None = None  # seconds that work beyond the protected decodes may add, when bounded
+        decodes, allowance = self._bound_decodes(decodes)
         decode_shape = StepShape()
         for q in decodes:
             decode_shape.add(q.num_computed, 1)
@@ -843,7 +853,6 @@ class Engine:
         budget = self.prefill_chunk
         lead: str | None = None  # the tenant first given prefill budget in this step
         lead_tokens = 0
-        allowance: float | None = None  # seconds the chunks may add, when bounded
         chunks: list[tuple[_Seq, int]] = []
         prefills = [q for q in runnable if q.state == RUN and q.length - q.num_computed > 1]
         prefills.sort(key=lambda q: (self._vtc[q.req.tenant], q.started))
@@ -965,6 +974,35 @@ class Engine:
             distinct_adapters=len({s.slot for s in steps}), forward_s=forward_s,
             step_s=time.perf_counter() - t0,
         )
+
+    def _bound_decodes(self, decodes: list[_Seq]) -> tuple[list[_Seq], float | None]:
+        """The decode rows this step runs. On a CPU a step's time grows with its rows, so a tenant above its share
+        of the sequence slots would slow every token of a tenant within its own: while a tenant within its share
+        decodes, the rows of tenants above theirs ride, oldest first, only while the step stays within
+        prefill_step_factor times the cost of the protected rows alone (at least one of them a step, so they
+        never stall); the others wait this step out, keeping their KV. Returns the rows and the seconds of
+        allowance left for prefill chunks (None when nothing is bounded)."""
+        if not decodes or not self.fair:
+            return decodes, None
+        slots, _, _ = self._usage()
+        over = {t for t in {q.req.tenant for q in decodes} if slots[t] > self._share(t, self.max_running)}
+        keep = [q for q in decodes if q.req.tenant not in over]
+        if not over or not keep:
+            return decodes, None
+        base = StepShape()
+        for q in keep:
+            base.add(q.num_computed, 1)
+        allowance = (self.prefill_step_factor - 1.0) * self.step_cost.predict(base)
+        first = True
+        for q in sorted((q for q in decodes if q.req.tenant in over), key=lambda q: q.started):
+            cost = self.step_cost.added_seconds(q.num_computed, 1)
+            if cost <= allowance or first:
+                keep.append(q)
+                allowance -= cost
+                first = False
+            else:
+                self.metrics.decode_rows_deferred += 1
+        return keep, max(0.0, allowance)
 
     def _fork(self, req: _Request) -> list[_Seq]:
         """The prompt is in the first sequence's blocks: the others share its full blocks, copy its partial last

@@ -38,6 +38,7 @@ class EngineMetrics:
     preemptions: int = 0
     preemptions_for_share: int = 0
     recomputed_tokens: int = 0
+    decode_rows_deferred: int = 0  # decode rows of a tenant above its share left out of a step (step-time bound)
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     forward_seconds: float = 0.0

@@ -114,6 +114,9 @@ def test_another_tenant_runs_within_two_steps_under_capture_and_finishes_in_its_
     assert eng.metrics.preemptions_for_share >= 1
     slots, _ = usage(eng)
     assert slots["acme"] >= 63  # work-conserving: the capturer keeps everything the small request does not use
+    # but while the small request decoded, the capturer's rows (above its share) rode only within the step-time
+    # bound: 5.5 ms of allowance at 1 ms a row (COST) over the small request's 11 ms step
+    assert eng.metrics.decode_rows_deferred >= 50 * (took - running - 1)
     for hog in hogs:
         hog.cancel()
     steps_until(eng, lambda: all(x.done() for x in hogs))
