@@ -7,7 +7,7 @@ import secrets
 
 import openai
 
-from .conftest import series_value
+from .conftest import series_value, worker_metric
 
 SYSTEM = ("You are the support assistant of a bicycle shop. Answer in one short paragraph, politely, and only about "
           "bicycles, their parts, repairs, prices and opening hours. ") * 2
@@ -27,6 +27,7 @@ def test_a_repeated_system_prompt_is_read_from_the_cache_of_its_tenant_and_adapt
                 {"role": "user", "content": "When do you open?"}]
     a, b = _client(e2e, "a"), _client(e2e, "b")
     before = _cached_total(e2e)
+    worker_hits = worker_metric(e2e.worker, "lorafleet_worker_prefix_cache_hit_tokens_total")
 
     def ask(client, model, **extra):
         return client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0, **extra)
@@ -43,6 +44,7 @@ def test_a_repeated_system_prompt_is_read_from_the_cache_of_its_tenant_and_adapt
     assert [(r["status"], r["prompt_tokens"], r["cached_tokens"]) for r in row] == [("ok", warm.usage.prompt_tokens,
                                                                                       cached)]
     assert _cached_total(e2e) - before >= cached
+    assert worker_metric(e2e.worker, "lorafleet_worker_prefix_cache_hit_tokens_total") - worker_hits >= cached
 
     # the identical prompt, from another tenant, to another adapter, or under another salt: read afresh
     assert ask(b, "b-1").usage.prompt_tokens_details.cached_tokens == 0
