@@ -305,6 +305,8 @@ def test_admission_needs_the_prompts_blocks_not_max_tokens(tiny_llama, adapters)
     hs = [eng.submit(job(f"r{i}", max_tokens=400, ignore_eos=False)) for i in range(8)]
     eng.run_step()
     assert eng.stats()["running_sequences"] == 8
+    steps_until(eng, lambda: all(h.done() for h in hs))
+    assert all(h.result().ok for h in hs)
 
 
 # ---- prefix cache -------------------------------------------------------------------------------------------
