@@ -47,7 +47,9 @@ from tests.e2e.conftest import (  # noqa: E402
     Stack,
     _db_url,
     _reachable,
+    bearer,
     free_port,
+    metrics_token,
     pg_connect,
     wait_until,
     worker_metric,
@@ -123,10 +125,11 @@ class Bench:
                                             str(port), "--loglevel", "WARNING", "--concurrency", str(self.args.concurrency),
                                             "--memory-gb", str(self.args.memory_gb),
                                             "--host-cache-mb", str(self.args.host_cache_mb)], self.env, self.root)
-            workers.append(SimpleNamespace(proc=proc, metrics_url=f"http://127.0.0.1:{port}/metrics"))
-        for w in workers:
-            wait_until(lambda url=w.metrics_url: httpx.get(url, timeout=2).status_code == 200, 300, "worker metrics",
-                       (w.proc,))
+            workers.append(SimpleNamespace(proc=proc, metrics_url=f"http://127.0.0.1:{port}/metrics",
+                                           metrics_token=metrics_token(self.env)))
+        for w in workers:  # the exporter answers only the web's metrics token
+            wait_until(lambda w=w: httpx.get(w.metrics_url, headers=bearer(w.metrics_token), timeout=2).status_code
+                       == 200, 300, "worker metrics", (w.proc,))
         pids = {w.proc.popen.pid for w in workers}
         wait_until(lambda: len(self.heartbeats(pids)) == n, 60, "heartbeats")
         return workers
@@ -173,11 +176,11 @@ class Bench:
         try:
             url = self.webs[affinity]
             self.traffic(url, sequence[: self.args.warmup])
-            cold0 = sum(worker_metric(w.metrics_url, "lorafleet_worker_cache_misses_total") for w in workers)
+            cold0 = sum(worker_metric(w, "lorafleet_worker_cache_misses_total") for w in workers)
             started = time.perf_counter()
             outcomes = self.traffic(url, sequence[self.args.warmup:])
             wall = time.perf_counter() - started
-            cold = sum(worker_metric(w.metrics_url, "lorafleet_worker_cache_misses_total") for w in workers) - cold0
+            cold = sum(worker_metric(w, "lorafleet_worker_cache_misses_total") for w in workers) - cold0
             time.sleep(1.5 * float(self.env.get("LORAFLEET_HEARTBEAT_S", 5)))  # a beat after the traffic
             resident: Counter = Counter()
             for status in self.heartbeats({w.proc.popen.pid for w in workers}):
