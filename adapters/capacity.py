@@ -25,6 +25,8 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field
 
+from protocol.lora_layout import FAMILIES
+
 from .manifest import ATTENTION_MODULES, TARGET_MODULES, shape_manifest_from_config
 
 GB = 10**9  # SI gigabyte; see the module docstring for why not GiB
@@ -108,6 +110,20 @@ _PRESET_CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    # https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json (head_dim 128 is written there, as here)
+    "qwen3-8b": {
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
 }
 PRESET_NAMES = tuple(_PRESET_CONFIGS)
 
@@ -170,6 +186,7 @@ def base_parameter_count(manifest: dict) -> int:
           + (0 if tie_word_embeddings else V*h)   lm_head
           + L * ( sum over the 7 projections of in*out
                   + (H*hd + 2*KV*hd if qwen2)     Qwen2's q/k/v projections carry a bias
+                  + (2*hd if qwen3)               Qwen3's per-head RMSNorm weights on q and k
                   + 2*h )                         input and post-attention RMSNorm weights
           + h                                     final RMSNorm
 
@@ -181,11 +198,11 @@ def base_parameter_count(manifest: dict) -> int:
     layers = manifest["num_layers"]
     embeddings = vocab * h * (1 if manifest["tie_word_embeddings"] else 2)
     projections = sum(m["in_features"] * m["out_features"] for m in manifest["modules"].values())
-    qkv_bias = 0
-    if manifest["architecture"] == "qwen2":
-        hd = manifest["head_dim"]
-        qkv_bias = manifest["num_attention_heads"] * hd + 2 * manifest["num_key_value_heads"] * hd
-    per_layer = projections + qkv_bias + 2 * h
+    family = FAMILIES[manifest["architecture"]]
+    hd = manifest["head_dim"]
+    qkv_bias = (manifest["num_attention_heads"] + 2 * manifest["num_key_value_heads"]) * hd if family.qkv_bias else 0
+    qk_norm = 2 * hd if family.qk_norm else 0
+    per_layer = projections + qkv_bias + qk_norm + 2 * h
     return embeddings + layers * per_layer + h
 
 

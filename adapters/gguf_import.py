@@ -32,7 +32,7 @@ from .manifest import SUPPORTED_ARCHITECTURES
 MARKER = "gguf_import.json"
 # GGUF's general.architecture -> transformers' model_type, for those the runner serves. llama.cpp writes
 # Mistral checkpoints as "llama"; the newer "mistral" name is accepted too.
-SERVABLE_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+SERVABLE_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 if not set(SERVABLE_GGUF_ARCHITECTURES.values()) <= set(SUPPORTED_ARCHITECTURES):
     raise ImportError("SERVABLE_GGUF_ARCHITECTURES names an architecture the manifest does not support")
 

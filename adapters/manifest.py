@@ -14,12 +14,16 @@ from protocol.lora_layout import (  # noqa: F401
     ATTENTION_MODULES,
     BLOCK_OF,
     MLP_MODULES,
+    SERVED_MODEL_TYPES,
     TARGET_MODULES,
     ModelShape,
+    UnservedBase,
+    family_of,
     peft_tensor_name,
 )
+from protocol.rope import RopeError, rope_from_config
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = SERVED_MODEL_TYPES  # protocol.lora_layout.FAMILIES
 
 
 class ManifestError(ValueError):
@@ -27,11 +31,16 @@ class ManifestError(ValueError):
 
 
 def shape_manifest_from_config(config: dict) -> dict:
-    arch = config.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    try:
+        arch = family_of(config).model_type
+        rope = rope_from_config(config)  # a RoPE the runner cannot compute is refused here, not at the worker
+    except UnservedBase:
         raise ManifestError(
-            f"model_type {arch!r} is not supported; lorafleet serves {', '.join(SUPPORTED_ARCHITECTURES)}."
-        )
+            f"model_type {config.get('model_type')!r} is not supported; lorafleet serves "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+        ) from None
+    except RopeError as exc:
+        raise ManifestError(f"{exc}.") from None
     try:
         hidden = int(config["hidden_size"])
         layers = int(config["num_hidden_layers"])
@@ -62,7 +71,10 @@ def shape_manifest_from_config(config: dict) -> dict:
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "vocab_size": vocab,
-        "max_position_embeddings": int(config.get("max_position_embeddings") or 2048),
+        # the context served, which the gateway checks prompts against: the config's own, or more where the RoPE
+        # scaling extends it (dynamic NTK: x factor; protocol.rope)
+        "max_position_embeddings": rope.context,
+        "rope_type": rope.rope_type,
         "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
         "dtype": str(config.get("dtype") or config.get("torch_dtype") or "float32"),
         "num_parameters": 0,

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 PAD, BOS, EOS = "<|pad|>", "<|startoftext|>", "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -72,7 +72,8 @@ def train_tokenizer(vocab_size: int):
 
 
 def _config(arch: str, *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
-            intermediate: int, max_position: int, tie_embeddings: bool, ids: dict[str, int]):
+            intermediate: int, max_position: int, tie_embeddings: bool, ids: dict[str, int],
+            head_dim: int | None = None):
     import transformers
 
     common = dict(
@@ -87,14 +88,18 @@ def _config(arch: str, *, vocab: int, hidden: int, layers: int, heads: int, kv_h
     if arch == "mistral":
         # sliding_window=None: the window would only matter beyond max_position anyway.
         return transformers.MistralConfig(**common, sliding_window=None)
+    if arch == "qwen3":
+        # head_dim as given (Qwen3 writes it explicitly; it may differ from hidden / heads), no q/k/v bias
+        return transformers.Qwen3Config(**common, head_dim=head_dim or hidden // heads, attention_bias=False,
+                                        use_sliding_window=False)
     return transformers.Qwen2Config(**common, use_sliding_window=False)
 
 
 def _weights(arch: str, *, seed: int, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
-             intermediate: int, tie_embeddings: bool) -> dict[str, torch.Tensor]:
+             intermediate: int, tie_embeddings: bool, head_dim: int | None = None) -> dict[str, torch.Tensor]:
     """Random weights under HF's tensor names; std 1/sqrt(fan_in) keeps activations O(1)."""
     gen = torch.Generator().manual_seed(seed)
-    head_dim = hidden // heads
+    head_dim = head_dim or hidden // heads
 
     def linear(out_f: int, in_f: int) -> torch.Tensor:
         return torch.randn(out_f, in_f, generator=gen) / math.sqrt(in_f)
@@ -113,6 +118,9 @@ def _weights(arch: str, *, seed: int, vocab: int, hidden: int, layers: int, head
             for name, n in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
                             ("v_proj", kv_heads * head_dim)):
                 w[f"{p}.self_attn.{name}.bias"] = 0.1 * torch.randn(n, generator=gen)
+        if arch == "qwen3":  # per-head RMSNorm weights on q and k (jittered: a missing norm must show)
+            w[f"{p}.self_attn.q_norm.weight"] = norm(head_dim)
+            w[f"{p}.self_attn.k_norm.weight"] = norm(head_dim)
         w[f"{p}.self_attn.o_proj.weight"] = linear(hidden, heads * head_dim)
         w[f"{p}.post_attention_layernorm.weight"] = norm(hidden)
         w[f"{p}.mlp.gate_proj.weight"] = linear(intermediate, hidden)
@@ -126,11 +134,14 @@ def _weights(arch: str, *, seed: int, vocab: int, hidden: int, layers: int, head
 
 def build_tiny_base(out_dir, *, arch: str = "llama", seed: int = 0, hidden: int = 64, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128, vocab: int = 512,
-                    max_position: int = 512, tie_embeddings: bool = False) -> Path:
-    """Write a loadable HF checkpoint folder and return its path. Deterministic for a given seed."""
+                    max_position: int = 512, tie_embeddings: bool = False, head_dim: int | None = None) -> Path:
+    """Write a loadable HF checkpoint folder and return its path. Deterministic for a given seed. `head_dim`
+    (qwen3 only): the width of a head, when it is not hidden / heads."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {ARCHITECTURES}, not {arch!r}")
-    if hidden % heads or heads % kv_heads:
+    if head_dim is not None and arch != "qwen3":
+        raise ValueError("head_dim is only written for qwen3")
+    if (hidden % heads and head_dim is None) or heads % kv_heads:
         raise ValueError("hidden must be divisible by heads, and heads by kv_heads")
     from transformers import GenerationConfig
 
@@ -145,12 +156,13 @@ def build_tiny_base(out_dir, *, arch: str = "llama", seed: int = 0, hidden: int 
 
     shape = dict(vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                  intermediate=intermediate)
-    config = _config(arch, **shape, max_position=max_position, tie_embeddings=tie_embeddings, ids=ids)
+    config = _config(arch, **shape, max_position=max_position, tie_embeddings=tie_embeddings, ids=ids,
+                     head_dim=head_dim)
     config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                             "qwen2": "Qwen2ForCausalLM"}[arch]]
+                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
     config.save_pretrained(out)
     GenerationConfig(bos_token_id=ids[BOS], eos_token_id=[ids[IM_END], ids[EOS]],
                      pad_token_id=ids[PAD]).save_pretrained(out)
-    save_file(_weights(arch, seed=seed, tie_embeddings=tie_embeddings, **shape),
+    save_file(_weights(arch, seed=seed, tie_embeddings=tie_embeddings, head_dim=head_dim, **shape),
               str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -1,4 +1,5 @@
-"""The model runner: a Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, with LoRA.
+"""The model runner: a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3: protocol.lora_layout.FAMILIES) over a
+paged KV cache, with LoRA.
 
 One `forward(steps)` runs one engine iteration: any mix of prefill chunks and decode tokens, of any
 adapters, as one batch. Every projection is one GEMM over all tokens of the step (q/k/v and gate/up are
@@ -29,7 +30,7 @@ from kernels import gemm as native_gemm
 from kernels import gemm_lora as native_gemm_lora
 from kernels import gemm_pack as native_gemm_pack
 from kernels import rms_norm as native_rms_norm
-from protocol.lora_layout import ModelShape
+from protocol.lora_layout import FAMILIES, SERVED_MODEL_TYPES, Family, ModelShape, family_of
 from protocol.memory import (
     PACK_MIN_HIDDEN,
     STEP_ARENA_BYTES,
@@ -38,14 +39,15 @@ from protocol.memory import (
     split_budget,
     workspace_bytes,
 )
+from protocol.rope import SERVED_ROPE_TYPES, RopeSpec, rope_from_config
 
 from .huge_pages import Collapse, collapse_resident_memory
 from .kv_cache import PagedKVCache, blocks_needed
 from .lora import GEMM_GROUPS, LoraPool, StepLora
 from .memory_pool import PagePool
 
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+SUPPORTED_ARCHITECTURES = set(SERVED_MODEL_TYPES)  # protocol.lora_layout.FAMILIES
+SUPPORTED_ROPE_TYPES = set(SERVED_ROPE_TYPES)  # protocol.rope
 
 
 @dataclass
@@ -60,40 +62,35 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    max_position_embeddings: int
+    max_position_embeddings: int  # the context served (protocol.rope.RopeSpec.context): the config's own, or
+    # more where the RoPE scaling extends it (dynamic)
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # None, or {"rope_type": "linear"|"llama3", ...}
+    rope_scaling: dict | None  # None, or {"rope_type": "linear"|"llama3"|"yarn"|"dynamic", ...}
     tie_word_embeddings: bool
     sliding_windows: list[int | None]  # per layer: attend to the last N positions only, or None
     bos_token_id: int | None = None
     eos_token_id: int | None = None  # the first of eos_token_ids
     eos_token_ids: list[int] = field(default_factory=list)  # config.json + generation_config.json
     pad_token_id: int | None = None
+    family: Family = FAMILIES["llama"]
+    rope: RopeSpec | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         cfg = json.loads((path / "config.json").read_text())
-        arch = cfg.get("model_type", "")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported model_type {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        family = family_of(cfg)  # UnservedBase (a ValueError) names the model_type
+        arch = family.model_type
         heads = cfg["num_attention_heads"]
         layers = cfg["num_hidden_layers"]
-        # transformers v5 writes rope_parameters; v4 wrote rope_theta + rope_scaling. Read both.
-        rope_params = cfg.get("rope_parameters") or {}
-        theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = cfg.get("rope_scaling") or rope_params
-        rope_type = (scaling.get("rope_type") or scaling.get("type") or "default") if scaling else "default"
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"RoPE scaling type {rope_type!r} is not supported; supported: "
-                             f"{sorted(SUPPORTED_ROPE_TYPES)}")
-        rope_scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+        rope = rope_from_config(cfg)  # RopeError (a ValueError) names what is not served
+        rope_scaling = None if rope.rope_type == "default" else {**rope.params, "rope_type": rope.rope_type}
 
         window = cfg.get("sliding_window")
-        if arch == "mistral":
+        if family.sliding_windows == "all":
             windows = [window] * layers
-        elif arch == "qwen2" and cfg.get("use_sliding_window") and window:
+        elif family.sliding_windows == "per_layer" and cfg.get("use_sliding_window") and window:
             types = cfg.get("layer_types") or [
                 "sliding_attention" if i >= cfg.get("max_window_layers", layers) else "full_attention"
                 for i in range(layers)]
@@ -114,9 +111,9 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=rope.context,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
+            rope_theta=rope.theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_windows=windows,
@@ -124,6 +121,8 @@ class ModelConfig:
             eos_token_id=eos[0] if eos else None,
             eos_token_ids=eos,
             pad_token_id=cfg.get("pad_token_id"),
+            family=family,
+            rope=rope,
         )
 
 
@@ -134,15 +133,18 @@ def _as_list(value) -> list[int]:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] with the config's theta and scaling, as transformers computes them."""
+    """Inverse frequencies [head_dim/2] with the config's theta and scaling, as transformers computes them at init
+    (for dynamic: those of a sequence within max_position_embeddings, the default ones)."""
     hd = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     scaling = config.rope_scaling
-    if scaling is None:
+    if scaling is None or scaling["rope_type"] == "dynamic":
         return inv_freq
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(config.rope_theta, hd, factor, scaling)
     # llama3: long wavelengths are divided by factor, short ones kept, the band between interpolated.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_ctx = float(scaling["original_max_position_embeddings"])
@@ -155,6 +157,72 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(base: float, dim: int, factor: float, scaling: dict) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters, op for op): the interpolated frequencies (divided by factor)
+    below the correction range, the original ones above it, a linear ramp between."""
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: the original frequency (extrapolation), 0: divided by factor (interpolation)
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What transformers multiplies cos and sin by: YaRN's attention factor, 1 for the other types."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def get_mscale(scale: float, mscale: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    factor, mscale, mscale_all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return get_mscale(factor)
+
+
+def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin (apply_rope's [-sin, sin]) of every served position, fp32 [P, head_dim], as
+    transformers computes them (cos/sin of position x inv_freq, times the attention factor).
+
+    Dynamic NTK (protocol.rope): position p takes the frequencies of a sequence of max(p + 1, max_position_embeddings)
+    tokens, computed as transformers' dynamic update computes them (seq_len a tensor, so the new base in fp32)."""
+    hd, P = config.head_dim, config.max_position_embeddings
+    pos = torch.arange(P, dtype=torch.float32)
+    inv_freq = rope_inv_freq(config)
+    freqs = torch.outer(pos, inv_freq)  # [P, hd/2]
+    scaling = config.rope_scaling
+    rope = config.rope
+    if scaling is not None and scaling["rope_type"] == "dynamic" and rope is not None:
+        original = rope.max_position_embeddings
+        if P > original:
+            factor = float(scaling["factor"])
+            seq_len = torch.arange(original + 1, P + 1, dtype=torch.int64)  # of positions original..P-1
+            base = config.rope_theta * ((factor * seq_len / original) - (factor - 1)) ** (hd / (hd - 2))  # [N]
+            exponent = torch.arange(0, hd, 2, dtype=torch.int64).to(dtype=torch.float) / hd  # [hd/2]
+            grown = 1.0 / (base.unsqueeze(1) ** exponent.unsqueeze(0))  # [N, hd/2]
+            freqs[original:] = pos[original:].unsqueeze(1) * grown
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
+    scale = rope_attention_factor(config)
+    return emb.cos() * scale, torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scale
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back, like transformers' LlamaRMSNorm. On CPU in fp32 one native pass
     (kernels.rms_norm) instead of six torch ops."""
@@ -162,6 +230,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         y = native_rms_norm(x, weight, eps, threads=torch.get_num_threads())
         if y is not None:
             return y
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [T, heads, hd] by weight [heads, hd] (each head's norm weight), in fp32 and cast
+    back, like transformers' Qwen3RMSNorm on q and k."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -374,6 +450,13 @@ class Block:
                                   pack_rows=pack, native=native)  # [2 intermediate, hidden]
         self.down = Projection(w["mlp.down_proj.weight"], pack_rows=pack, native=native)  # [hidden, intermediate]
         self.window = cfg.sliding_windows[layer]
+        # Qwen3: q and k normalised per head before RoPE, one weight [head_dim] each, repeated here to [H + KV, hd]
+        # so both go in one pass over the q and k columns of the fused output
+        self.qk_norm: torch.Tensor | None = None
+        if cfg.family.qk_norm:
+            hd = cfg.head_dim
+            self.qk_norm = torch.cat([w["self_attn.q_norm.weight"].expand(cfg.num_heads, hd),
+                                      w["self_attn.k_norm.weight"].expand(cfg.num_kv_heads, hd)]).contiguous()
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         cfg, lora, layer, native = self.cfg, ctx.lora, self.layer, ctx.native
@@ -396,6 +479,9 @@ class Block:
                 lora.add(qkv[:, :q_end], h, layer, "q_proj")
                 lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
                 lora.add(qkv[:, k_end:], h, layer, "v_proj")
+        if self.qk_norm is not None:  # after the projections and their LoRA terms, as PEFT wraps q_proj / k_proj
+            qk_heads = qkv[:, :k_end].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qk_heads.copy_(head_rms_norm(qk_heads, self.qk_norm, cfg.rms_norm_eps))
         # q and k rotated in one go: [T, H + KV, hd]; the rotated keys and the values stored in the KV cache
         kv = self.runner.kv
         qk = None
@@ -610,12 +696,9 @@ class ModelRunner:
             self.weights_bytes += sum((p.weight.numel() - p.out_features * p.in_features) * p.weight.element_size()
                                       for p in projections if p.native)
 
-        inv_freq = rope_inv_freq(cfg)
-        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)  # [P, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
-        self.rope_cos = emb.cos().to(self.dtype).to(self.device)
-        self.rope_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(self.dtype).to(self.device)
+        cos, sin_signed = rope_tables(cfg)  # [P, hd]
+        self.rope_cos = cos.to(self.dtype).to(self.device)
+        self.rope_sin = sin_signed.to(self.dtype).to(self.device)
 
         self.memory: PoolSplit | None = None
         self.workspace_measured: int | None = None

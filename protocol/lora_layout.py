@@ -1,6 +1,10 @@
-"""The LoRA layout of a Llama-family base, written once: which projections an adapter may target and
-their shapes. vLLM keeps this in one module; so do we — the upload validator, the capacity planner, the
-worker's adapter cache and its LoRA layers all read it from here.
+"""The LoRA layout of the served bases, written once: which model_types are served, which projections an adapter
+may target and their shapes. vLLM keeps this in one module; so do we — register_base, the GGUF importer, the upload
+validator, the capacity planner, the worker's adapter cache and its LoRA layers all read it from here.
+
+Every served family is a pre-norm decoder with the seven projections below under Hugging Face's (and PEFT's) names;
+what sets one apart from another is written in its `Family` row, and the runner (inference_worker.model) reads it
+from there.
 """
 from __future__ import annotations
 
@@ -11,6 +15,40 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES  # canonical order: also the order of an adapter's pages
 BLOCK_OF = {**{m: "self_attn" for m in ATTENTION_MODULES}, **{m: "mlp" for m in MLP_MODULES}}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a served model_type adds to the Llama decoder (pre-norm, RoPE, GQA, SwiGLU, the seven projections)."""
+
+    model_type: str
+    qkv_bias: bool = False  # q, k and v carry biases (Qwen2); Llama's attention_bias=True adds them to o too
+    qk_norm: bool = False  # per-head RMSNorm on q and k after their projections, before RoPE (Qwen3): the weights
+    # self_attn.q_norm / k_norm [head_dim]; an adapter on q_proj or k_proj changes what is normalised
+    sliding_windows: str = "none"  # "all": every layer attends to the last sliding_window positions (Mistral);
+    # "per_layer": layer_types (or max_window_layers) picks the layers, when use_sliding_window (Qwen2, Qwen3)
+
+
+FAMILIES = {
+    "llama": Family("llama"),
+    "mistral": Family("mistral", sliding_windows="all"),
+    "qwen2": Family("qwen2", qkv_bias=True, sliding_windows="per_layer"),
+    "qwen3": Family("qwen3", qk_norm=True, sliding_windows="per_layer"),
+}
+SERVED_MODEL_TYPES = tuple(FAMILIES)
+
+
+class UnservedBase(ValueError):
+    """The config names a model_type the runner does not serve."""
+
+
+def family_of(config) -> Family:
+    """The Family of a Hugging Face config (dict) or anything with model_type; UnservedBase otherwise."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    family = FAMILIES.get(str(model_type))
+    if family is None:
+        raise UnservedBase(f"unsupported model_type {model_type!r}; lorafleet serves {', '.join(SERVED_MODEL_TYPES)}")
+    return family
 
 
 @dataclass(frozen=True)

@@ -279,12 +279,12 @@ def test_rope_scaling_matches_transformers(tiny_llama, tmp_path, rope):
 
 
 def test_unsupported_rope_scaling_is_a_clear_error(tiny_llama, tmp_path):
-    path = tmp_path / "yarn"
+    path = tmp_path / "longrope"
     shutil.copytree(tiny_llama, path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="longrope"):
         ModelRunner(path)
 
 

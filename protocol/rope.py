@@ -1,0 +1,94 @@
+"""A base's RoPE, read once from its config.json: the type, theta, the scaling parameters, and the context it is
+served at. Read by the runner (inference_worker.model computes the frequencies from it, with torch, as transformers'
+modeling_rope_utils does), by register_base (adapters.manifest refuses an unserved type before a base is
+registered, and records the served context the gateway checks prompts against), and by the capacity planner.
+Pure Python: no torch, no Django.
+
+Both spellings are read: transformers v5 writes `rope_parameters` ({"rope_type", "rope_theta", ...}), v4 wrote
+`rope_theta` beside `rope_scaling` ({"type" or "rope_type", "factor", ...}).
+
+Served types and what the runner computes (transformers 5.x, modeling_rope_utils):
+- default, linear, llama3: one set of frequencies.
+- yarn: one set of frequencies (interpolation blended with extrapolation by the ramp between beta_fast and
+  beta_slow) and cos/sin multiplied by the attention factor (0.1 ln(factor) + 1, or mscale / mscale_all_dim, or
+  the config's attention_factor). Served up to max_position_embeddings, as transformers does.
+- dynamic (dynamic NTK): a position p is rotated with the frequencies transformers computes for a sequence of
+  max(p + 1, max_position_embeddings) tokens. That is what transformers does for every token it generates one at a
+  time (it grows the frequencies as the sequence grows), and the default frequencies for every sequence within
+  max_position_embeddings. Served up to max_position_embeddings x factor (vLLM's limit for this type). Where this
+  differs from transformers: a single forward over a prompt longer than max_position_embeddings rotates all of the
+  prompt's tokens with the frequencies of its full length there (and, batched, with those of the batch's longest
+  sequence), which would make a token's keys depend on the chunk and the batch it was computed in; here a key
+  depends on its position only, so chunked prefill, the prefix cache and batching give the same result.
+Refused, named: longrope (until phi3 is served), any other type, partial_rotary_factor below 1, per-layer-type
+(nested) rope_parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SERVED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+
+class RopeError(ValueError):
+    """The config's RoPE cannot be served; the message says which part and what is served."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    rope_type: str  # one of SERVED_ROPE_TYPES
+    theta: float
+    max_position_embeddings: int  # the config's own
+    params: dict = field(default_factory=dict)  # the scaling parameters as the config gives them, with
+    # original_max_position_embeddings filled in for llama3 and yarn as transformers' standardize_rope_params does
+
+    @property
+    def factor(self) -> float:
+        return float(self.params["factor"])
+
+    @property
+    def context(self) -> int:
+        """The longest sequence (prompt and answer) served on this base."""
+        if self.rope_type == "dynamic":
+            return int(self.max_position_embeddings * self.factor)
+        return self.max_position_embeddings
+
+
+def rope_from_config(cfg: dict) -> RopeSpec:
+    """The RopeSpec of a Hugging Face config dict, or RopeError saying what is not served."""
+    max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise RopeError(f"rope_parameters must be an object, not {params!r}")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise RopeError("RoPE parameters per layer type (nested rope_parameters) are not supported for this "
+                        "model_type")
+    theta = float((cfg.get("rope_parameters") or {}).get("rope_theta") or params.get("rope_theta")
+                  or cfg.get("rope_theta") or 10000.0)
+    rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    if rope_type not in SERVED_ROPE_TYPES:
+        raise RopeError(f"RoPE scaling type {rope_type!r} is not supported; supported: "
+                        f"{', '.join(SERVED_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise RopeError(f"partial_rotary_factor {partial} is not supported (RoPE over the whole head only)")
+    params = {k: v for k, v in params.items() if k not in ("type", "rope_type", "rope_theta")}
+    if rope_type in ("llama3", "yarn"):
+        # transformers' standardize_rope_params: a top-level original_max_position_embeddings wins, else the
+        # parameters' own, else max_position_embeddings
+        original = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = int(original or max_pos)
+    if rope_type == "yarn" and params.get("factor") is None:
+        params["factor"] = max_pos / params["original_max_position_embeddings"]
+    if rope_type != "default":
+        try:
+            factor = float(params["factor"])
+        except (KeyError, TypeError, ValueError):
+            raise RopeError(f"RoPE scaling {rope_type!r} needs a numeric 'factor'") from None
+        if factor < 1.0:
+            raise RopeError(f"RoPE scaling factor must be at least 1, not {factor}")
+    if rope_type == "llama3":
+        missing = [k for k in ("low_freq_factor", "high_freq_factor") if params.get(k) is None]
+        if missing:
+            raise RopeError(f"RoPE scaling 'llama3' needs {', '.join(missing)}")
+    return RopeSpec(rope_type=rope_type, theta=theta, max_position_embeddings=max_pos, params=params)
