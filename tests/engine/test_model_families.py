@@ -1,0 +1,386 @@
+"""The bases users bring beyond Llama (issue 48): the runner computes what transformers and PEFT compute.
+
+Qwen3 on a tiny random checkpoint with every feature it has switched on: per-head RMSNorm on q and k before RoPE, a
+head_dim that is not hidden / heads (q_dim 96 beside hidden 64), GQA, sliding-window layers beside full ones. Base-only
+and a mixed batch of PEFT adapters (ranks 8-32, different targets, one rsLoRA) give PEFT's greedy tokens on every
+request, logits within fp32 tolerance, and the same tokens in a batch as alone. Then RoPE yarn and dynamic NTK against
+transformers, and what register_base, the upload validator and the capacity planner read of these bases.
+"""
+import io
+import json
+import shutil
+
+import pytest
+import torch
+
+from demo.tiny_base import build_tiny_base
+from inference_worker.model import ModelRunner, SeqStep
+from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
+from tests.engine.test_model_parity import (
+    PACKED,
+    PACKED_IDS,
+    PROMPT,
+    Seq,
+    greedy,
+    hf_greedy,
+    hf_model,
+    load_peft_into,
+)
+from tests.support.peft_factory import make_random_peft_adapter
+
+
+def _edit_config(path, **changes) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    """3 layers, 4 heads of 24 over hidden 64, 2 KV heads, layers 1 and 2 attend to the last 8 positions only."""
+    path = build_tiny_base(tmp_path_factory.mktemp("tiny_qwen3"), arch="qwen3", seed=11, hidden=64, heads=4,
+                           kv_heads=2, head_dim=24, layers=3, intermediate=96)
+    _edit_config(path, use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=None)
+    return path
+
+
+def test_the_tiny_qwen3_has_every_feature_switched_on(tiny_qwen3):
+    """What the tests below rely on: transformers reads the checkpoint as we wrote it."""
+    model = hf_model(tiny_qwen3)
+    attn = model.model.layers[0].self_attn
+    assert model.config.model_type == "qwen3" and attn.head_dim == 24 and attn.q_proj.out_features == 96
+    assert attn.q_proj.bias is None and attn.q_norm.weight.shape == (24,)
+    assert not torch.allclose(attn.q_norm.weight, torch.ones(24))  # jittered: a norm left out shows in the logits
+    assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    runner = ModelRunner(tiny_qwen3, pool_pages=64, enable_lora=False)
+    assert runner.config.sliding_windows == [None, 8, 8] and runner.config.head_dim == 24
+
+
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
+def test_qwen3_prefill_and_decode_logits_match_transformers(tiny_qwen3, packed):
+    runner = ModelRunner(tiny_qwen3, pool_pages=256, **packed)
+    model = hf_model(tiny_qwen3)
+    prompt = (PROMPT * 2)[:24]  # past the window of 8
+    seq = Seq(runner, len(prompt) + 21)
+    ours = runner.forward([seq.step(prompt)])[0]
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    theirs, past = out.logits[0, -1], out.past_key_values
+    assert theirs.abs().max() > 1.0
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    for _ in range(20):
+        tok = int(theirs.argmax())
+        ours = runner.forward([seq.step([tok])])[0]
+        with torch.no_grad():
+            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        theirs, past = out.logits[0, -1], out.past_key_values
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_qwen3_chunked_prefill_gives_the_same_logits(tiny_qwen3):
+    runner = ModelRunner(tiny_qwen3, pool_pages=256)
+    prompt = (PROMPT * 3)[:40]
+    whole = Seq(runner, 41)
+    expected = runner.forward([whole.step(prompt)])
+    chunked = Seq(runner, 41)
+    for a, b in [(0, 7), (7, 20), (20, 33)]:
+        runner.forward([chunked.step(prompt[a:b])])
+    torch.testing.assert_close(runner.forward([chunked.step(prompt[33:])]), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
+def test_qwen3_greedy_tokens_match_transformers_for_32_steps(tiny_qwen3, packed):
+    runner = ModelRunner(tiny_qwen3, pool_pages=256, enable_lora=False, **packed)
+    theirs = hf_greedy(hf_model(tiny_qwen3), PROMPT, 32)
+    assert len(theirs) == 32
+    assert greedy(runner, PROMPT, 32) == theirs
+
+
+# rank, alpha, rsLoRA, targets: q/k only (what the q/k norms then normalise), the rest, everything
+ADAPTERS = [(8, 16, False, ("q_proj", "k_proj")),
+            (16, 32, True, ("v_proj", "o_proj", "gate_proj", "down_proj")),
+            (32, 64, False, ALL_TARGETS)]
+PROMPTS = [PROMPT, PROMPT[3:], (PROMPT * 2)[5:27], PROMPT[::-1]]  # the last one base-only
+
+
+def greedy_batch(runner: ModelRunner, requests: list[tuple[list[int], int]], n: int
+                 ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy decode of every request in shared forward steps, request i starting at step i (so prompts go beside
+    other requests' decode tokens); a request stops at EOS or n tokens. Returns each one's tokens and its
+    first-step (prompt) logits."""
+    seqs = [Seq(runner, len(p) + n, slot) for p, slot in requests]
+    out: list[list[int]] = [[] for _ in requests]
+    first: list[torch.Tensor] = [torch.empty(0)] * len(requests)
+    done = [False] * len(requests)
+    step = 0
+    while not all(done):
+        rows, batch = [], []
+        for i, (prompt, _) in enumerate(requests):
+            if done[i] or i > step:
+                continue
+            batch.append(seqs[i].step(prompt if i == step else [out[i][-1]]))
+            rows.append(i)
+        logits = runner.forward(batch)
+        for row, i in enumerate(rows):
+            if i == step:
+                first[i] = logits[row]
+            tok = int(logits[row].argmax())
+            out[i].append(tok)
+            done[i] = len(out[i]) == n or tok in runner.config.eos_token_ids
+        step += 1
+    for s in seqs:
+        s.free()
+    return out, first
+
+
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
+def test_qwen3_mixed_batch_of_peft_adapters_matches_peft_on_every_request(tiny_qwen3, tmp_path, packed):
+    from peft import PeftModel
+
+    dirs = [make_random_peft_adapter(tiny_qwen3, tmp_path / f"a{r}", r=r, alpha=alpha, use_rslora=rs,
+                                     target_modules=targets, seed=r)
+            for r, alpha, rs, targets in ADAPTERS]
+    runner = ModelRunner(tiny_qwen3, pool_pages=512, max_lora_rank=32, **packed)
+    slots = [load_peft_into(runner, d) for d in dirs] + [-1]
+    requests = list(zip(PROMPTS, slots, strict=True))
+    n = 24
+    together, first = greedy_batch(runner, requests, n)
+
+    for i, (prompt, slot) in enumerate(requests):
+        model = hf_model(tiny_qwen3) if slot < 0 else PeftModel.from_pretrained(hf_model(tiny_qwen3),
+                                                                                str(dirs[i])).eval()
+        assert together[i] == hf_greedy(model, prompt, n), f"request {i} (slot {slot})"
+        with torch.no_grad():
+            theirs = model(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(first[i], theirs, atol=1e-4, rtol=0)
+        assert together[i] == greedy(runner, prompt, n, slot=slot)  # batch invariance: alone, the same tokens
+    base_alone = [greedy(runner, p, n) for p in PROMPTS[:3]]
+    assert all(together[i] != base_alone[i] for i in range(3))  # each adapter changes its answer
+
+
+def test_qwen3_requests_on_different_adapters_in_one_forward_equal_each_alone(tiny_qwen3, tmp_path):
+    """Batch invariance as for Llama: a mixed step (prompts beside decode tokens of two adapters and a base token)
+    gives each row the logits it gets alone."""
+    runner = ModelRunner(tiny_qwen3, pool_pages=512, max_lora_rank=32)
+    s0 = load_peft_into(runner, make_random_peft_adapter(tiny_qwen3, tmp_path / "a", r=8, target_modules=ALL_TARGETS))
+    s1 = load_peft_into(runner, make_random_peft_adapter(tiny_qwen3, tmp_path / "b", r=32, alpha=8, seed=5,
+                                                         target_modules=("k_proj", "up_proj")))
+    prompts = {s0: PROMPT[:9], s1: PROMPT[3:], -1: (PROMPT * 2)[:20]}
+
+    def history(slot: int) -> tuple[Seq, list[SeqStep]]:
+        seq = Seq(runner, 32, slot)
+        return seq, [seq.step(prompts[slot])] + [seq.step([t]) for t in (11, 22, 33)]
+
+    alone = {}
+    for slot in prompts:
+        seq, steps = history(slot)
+        alone[slot] = [runner.forward([s])[0] for s in steps]
+        seq.free()
+    seqs = {slot: history(slot) for slot in prompts}
+    plan = [[(s0, 0), (s1, 0)], [(s0, 1), (s1, 1), (-1, 0)], [(s1, 2), (-1, 1), (s0, 2)],
+            [(-1, 2), (s0, 3), (s1, 3)], [(-1, 3)]]
+    for batch in plan:
+        logits = runner.forward([seqs[slot][1][i] for slot, i in batch])
+        for row, (slot, i) in enumerate(batch):
+            torch.testing.assert_close(logits[row], alone[slot][i], atol=1e-4, rtol=0)
+    assert not torch.allclose(alone[s0][0], alone[-1][0])
+
+
+# --- RoPE: yarn and dynamic NTK -------------------------------------------------------------------------------
+
+YARN = [
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+     "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+     "mscale": 0.707, "mscale_all_dim": 1.0},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 64,
+     "attention_factor": 1.25},
+]
+YARN_IDS = ["default-mscale", "betas-untruncated", "mscale-ratio", "attention-factor"]
+
+
+def _with_rope(src, dst, rope: dict, **changes):
+    shutil.copytree(src, dst)
+    _edit_config(dst, rope_parameters=rope, **changes)
+    return dst
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("rope", YARN, ids=YARN_IDS)
+def test_yarn_matches_transformers(request, tmp_path, arch, rope):
+    base = request.getfixturevalue(f"tiny_{arch}")
+    path = _with_rope(base, tmp_path / "yarn", rope)
+    runner = ModelRunner(path, pool_pages=256, enable_lora=False)
+    model = hf_model(path)
+    assert model.model.rotary_emb.rope_type == "yarn"
+    assert runner.config.max_position_embeddings == json.loads((base / "config.json").read_text())[
+        "max_position_embeddings"]  # yarn does not change the context served
+    prompt = (PROMPT * 10)[:120]  # far past original_max_position_embeddings
+    ours = runner.forward([Seq(runner, 120).step(prompt)])[0]
+    with torch.no_grad():
+        theirs = model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert greedy(runner, prompt, 16) == hf_greedy(model, prompt, 16)
+
+
+def test_yarn_changes_the_logits(tiny_llama, tmp_path):
+    """The yarn test above is not vacuous: on this model and prompt the scaled RoPE gives other logits."""
+    path = _with_rope(tiny_llama, tmp_path / "yarn", YARN[0])
+    prompt = (PROMPT * 10)[:120]
+    runs = [ModelRunner(p, pool_pages=256, enable_lora=False) for p in (tiny_llama, path)]
+    plain, scaled = (r.forward([Seq(r, 120).step(prompt)])[0] for r in runs)
+    assert (plain - scaled).abs().max() > 0.1
+
+
+@pytest.fixture(scope="module")
+def short_llama(tmp_path_factory):
+    """A Llama whose config says 64 positions, so a dynamic-NTK sequence grows past it within a short test."""
+    return build_tiny_base(tmp_path_factory.mktemp("short_llama"), arch="llama", seed=21, max_position=64)
+
+
+@pytest.mark.parametrize("factor", [2.0, 3.0])
+def test_dynamic_ntk_extends_the_context_and_matches_transformers_token_by_token(short_llama, tmp_path, factor):
+    """Dynamic NTK: within max_position_embeddings the default frequencies; past it, each new token with the
+    frequencies transformers computes for the sequence's length as it grows (generate, one token a step). The served
+    context is max_position_embeddings x factor."""
+    path = _with_rope(short_llama, tmp_path / "dynamic", {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                          "factor": factor})
+    runner = ModelRunner(path, pool_pages=256, enable_lora=False)
+    assert runner.config.max_position_embeddings == int(64 * factor)
+    model = hf_model(path)
+    prompt = (PROMPT * 4)[:50]
+    seq = Seq(runner, 120)
+    ours = runner.forward([seq.step(prompt)])[0]
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    theirs, past = out.logits[0, -1], out.past_key_values
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    for _ in range(60):  # positions 50..109: across the config's 64
+        tok = int(theirs.argmax())
+        ours = runner.forward([seq.step([tok])])[0]
+        with torch.no_grad():
+            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        theirs, past = out.logits[0, -1], out.past_key_values
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert model.model.rotary_emb.max_seq_len_cached == 110  # transformers did grow its frequencies
+    assert greedy(runner, prompt, 60) == hf_greedy(hf_model(path), prompt, 60)
+    # and the scaling mattered: with the default RoPE the same positions give other logits
+    plain = ModelRunner(short_llama, pool_pages=256, enable_lora=False)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        plain.forward([Seq(plain, 120).step((PROMPT * 8)[:100])])
+    runner_long = runner.forward([Seq(runner, 120).step((PROMPT * 8)[:100])])[0]
+    assert runner_long.isfinite().all()
+
+
+def test_dynamic_ntk_keys_depend_on_their_position_only(short_llama, tmp_path):
+    """Past max_position_embeddings a chunked prompt gives the logits of the whole prompt: a key's rotation depends
+    on its position, not on the chunk or batch it was computed in (the prefix cache and preemption rely on it)."""
+    path = _with_rope(short_llama, tmp_path / "dynamic", {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                          "factor": 2.0})
+    runner = ModelRunner(path, pool_pages=256, enable_lora=False)
+    prompt = (PROMPT * 8)[:100]
+    whole = runner.forward([Seq(runner, 100).step(prompt)])
+    chunked = Seq(runner, 100)
+    for a, b in [(0, 30), (30, 70), (70, 99)]:
+        runner.forward([chunked.step(prompt[a:b])])
+    torch.testing.assert_close(runner.forward([chunked.step(prompt[99:])]), whole, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rope, match", [
+    ({"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0], "long_factor": [1.0]}, "longrope"),
+    ({"rope_type": "mrope", "factor": 4.0}, "mrope"),
+    ({"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 32}, "at least 1"),
+    ({"rope_type": "linear"}, "factor"),
+    ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+], ids=["longrope", "mrope", "factor-below-1", "no-factor", "partial-rotary"])
+def test_unserved_rope_is_refused_by_the_runner_and_by_register_base(tiny_llama, tmp_path, rope, match):
+    from adapters.manifest import ManifestError, shape_manifest_from_checkpoint
+
+    path = _with_rope(tiny_llama, tmp_path / "bad", {"rope_theta": 10000.0, **rope})
+    with pytest.raises(ValueError, match=match):
+        ModelRunner(path, pool_pages=64)
+    with pytest.raises(ManifestError, match=match):
+        shape_manifest_from_checkpoint(path)
+
+
+def test_rope_scaling_in_transformers_v4_spelling_is_read_the_same(tiny_llama, tmp_path):
+    """config.json written by transformers 4.x: rope_theta beside rope_scaling {"type": ...}."""
+    v5 = _with_rope(tiny_llama, tmp_path / "v5", YARN[0])
+    v4 = tmp_path / "v4"
+    shutil.copytree(tiny_llama, v4)
+    _edit_config(v4, rope_parameters=None, rope_theta=10000.0,
+                 rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    a, b = (ModelRunner(p, pool_pages=64, enable_lora=False) for p in (v5, v4))
+    assert (a.config.rope_scaling, a.config.rope_theta) == (b.config.rope_scaling, b.config.rope_theta)
+    torch.testing.assert_close(a.rope_cos, b.rope_cos, atol=0, rtol=0)
+
+
+# --- what the web side reads of these bases ----------------------------------------------------------------------
+
+def test_register_base_reads_qwen3s_head_dim_and_its_parameter_count(tiny_qwen3):
+    from adapters.capacity import base_parameter_count
+    from adapters.manifest import shape_manifest_from_checkpoint
+
+    m = shape_manifest_from_checkpoint(tiny_qwen3)
+    assert (m["architecture"], m["head_dim"], m["rope_type"]) == ("qwen3", 24, "default")
+    assert (m["modules"]["q_proj"]["out_features"], m["modules"]["o_proj"]["in_features"]) == (96, 96)
+    assert (m["modules"]["k_proj"]["out_features"], m["modules"]["v_proj"]["out_features"]) == (48, 48)
+    assert base_parameter_count(m) == m["num_parameters"]  # the formula counts the q/k norm weights too
+
+
+def test_qwen3_8b_preset_gives_the_published_parameter_count():
+    # Qwen3-8B: V=151936 h=4096 i=12288 L=36 H=32 KV=8 hd=128, untied, no biases, q/k norms [128] each.
+    #   embeddings 2*151936*4096 = 1,244,659,712
+    #   per layer  2*4096*4096 + 2*4096*1024 = 41,943,040; 3*4096*12288 = 150,994,944; q/k norms 256;
+    #              norms 8,192 -> 192,946,432;  *36 = 6,946,071,552
+    #   total 1,244,659,712 + 6,946,071,552 + 4,096 = 8,190,735,360 (the model card's 8.2B)
+    from adapters.capacity import base_parameter_count, preset_manifest
+
+    assert base_parameter_count(preset_manifest("qwen3-8b")) == 8_190_735_360
+
+
+def test_dynamic_ntk_base_is_registered_with_its_extended_context(short_llama, tmp_path):
+    from adapters.manifest import shape_manifest_from_checkpoint
+
+    path = _with_rope(short_llama, tmp_path / "dynamic", {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                          "factor": 2.0})
+    m = shape_manifest_from_checkpoint(path)
+    assert (m["max_position_embeddings"], m["rope_type"]) == (128, "dynamic")  # what the gateway checks prompts against
+    assert ModelRunner(path, pool_pages=64).config.max_position_embeddings == 128  # and what the engine serves
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "phi3", "qwen3_moe", "mixtral"])
+def test_unserved_model_types_are_refused_by_name(tiny_llama, tmp_path, model_type):
+    from adapters.manifest import ManifestError, shape_manifest_from_checkpoint
+
+    path = tmp_path / model_type
+    shutil.copytree(tiny_llama, path)
+    _edit_config(path, model_type=model_type)
+    with pytest.raises(ManifestError, match=f"model_type '{model_type}' is not supported; lorafleet serves llama, "
+                                            "mistral, qwen2, qwen3"):
+        shape_manifest_from_checkpoint(path)
+    with pytest.raises(ValueError, match=f"unsupported model_type '{model_type}'"):
+        ModelRunner(path, pool_pages=64)
+
+
+def test_a_qwen3_peft_adapter_passes_upload_validation_as_peft_saved_it(tiny_qwen3, tmp_path):
+    """PEFT's own module names and shapes for Qwen3 (q_proj out 96 beside hidden 64): accepted without renaming;
+    the same file against a Llama-shaped manifest of the same hidden size is refused."""
+    from adapters.manifest import shape_manifest_from_checkpoint, shape_manifest_from_config
+    from adapters.validation import AdapterValidationError, validate_adapter
+
+    adapter = make_random_peft_adapter(tiny_qwen3, tmp_path / "a", r=16, target_modules=ALL_TARGETS)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    data = (adapter / "adapter_model.safetensors").read_bytes()
+    spec = validate_adapter(config, io.BytesIO(data), len(data), shape_manifest_from_checkpoint(tiny_qwen3),
+                            max_rank=64)
+    assert spec.rank == 16 and set(spec.target_modules) == set(ALL_TARGETS)
+    llama_shaped = shape_manifest_from_config({**json.loads((tiny_qwen3 / "config.json").read_text()),
+                                               "model_type": "llama", "head_dim": None})
+    with pytest.raises(AdapterValidationError):
+        validate_adapter(config, io.BytesIO(data), len(data), llama_shaped, max_rank=64)
