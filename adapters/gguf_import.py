@@ -101,7 +101,38 @@ def check_servable(gguf_path: Path) -> str:
         raise GGUFImportError(
             f"{gguf_path.name}: architecture {arch!r} cannot be served. lorafleet's runner serves Llama-family "
             f"decoders ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Nothing was written.")
-    return SERVABLE_GGUF_ARCHITECTURES[arch]
+    model_type = SERVABLE_GGUF_ARCHITECTURES[arch]
+    _check_head_dim(gguf_path, arch, model_type)
+    return model_type
+
+
+def _check_head_dim(gguf_path: Path, arch: str, model_type: str) -> None:
+    """Refuse, before dequantizing, a head width transformers' GGUF reader would get wrong. It does not read
+    `{arch}.attention.key_length` for every architecture (not for qwen3, transformers 5.x): the config then takes
+    the model's default head_dim (Qwen3Config: 128, what every published Qwen3 has) or hidden / heads, and a
+    file with another width fails deep inside the load."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    if "attention.key_length" in GGUF_CONFIG_MAPPING.get(model_type, {}):
+        return  # read as head_dim
+    fields = GGUFReader(str(gguf_path)).fields
+
+    def value(key: str) -> int | None:
+        f = fields.get(f"{arch}.{key}")
+        return None if f is None else int(f.contents())
+
+    key_length, hidden, heads = value("attention.key_length"), value("embedding_length"), value("attention.head_count")
+    if key_length is None or not hidden or not heads:
+        return
+    config = AutoConfig.for_model(model_type, hidden_size=hidden, num_attention_heads=heads)
+    default = getattr(config, "head_dim", None) or hidden // heads
+    if key_length != default:
+        raise GGUFImportError(
+            f"{gguf_path.name}: heads of {key_length} (attention.key_length) cannot be read from GGUF by transformers "
+            f"for {model_type!r}, which assumes {default}; import the model's Hugging Face folder with register_base "
+            "instead. Nothing was written.")
 
 
 def file_sha256(path: Path) -> str:

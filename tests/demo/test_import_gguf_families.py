@@ -1,0 +1,106 @@
+"""`import_gguf` on the GGUF architectures llama.cpp writes for the families beyond Llama (issue 48): a Qwen3 GGUF
+written here from a tiny Hugging Face checkpoint, tensors and tokenizer under llama.cpp's names, comes back as a
+folder the runner serves with the original's logits; a Qwen3 GGUF whose head width transformers' GGUF reader would
+get wrong is refused before anything is dequantized."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from demo.tiny_base import build_tiny_base
+
+pytest.importorskip("gguf")
+
+# Hugging Face module (in model.layers.N) -> llama.cpp's tensor name (blk.N.*)
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_qwen3_gguf(base: Path, path: Path) -> Path:
+    """An fp32 GGUF of the tiny Qwen3 at `base`, as llama.cpp's converter lays it out (qwen3 keeps q and k
+    unpermuted; a byte-level BPE tokenizer is its "gpt2" model)."""
+    from gguf import GGUFWriter, TokenType
+    from safetensors.torch import load_file
+
+    cfg = json.loads((base / "config.json").read_text())
+    tok = json.loads((base / "tokenizer.json").read_text())
+    n = cfg["vocab_size"]
+    tokens, types = [f"[PAD{i}]" for i in range(n)], [TokenType.UNUSED] * n
+    for t, i in tok["model"]["vocab"].items():
+        tokens[i], types[i] = t, TokenType.NORMAL
+    for added in tok["added_tokens"]:
+        tokens[added["id"]], types[added["id"]] = added["content"], TokenType.CONTROL
+    w = GGUFWriter(str(path), "qwen3")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    for name, t in load_file(str(base / "model.safetensors")).items():
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{GGUF_NAMES[rest.rsplit('.', 1)[0]]}.weight"
+        w.add_tensor(gguf_name, t.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_qwen3_gguf_imports_to_a_folder_the_runner_serves_with_the_originals_logits(tmp_path):
+    from adapters.gguf_import import import_gguf
+    from adapters.manifest import shape_manifest_from_checkpoint
+    from inference_worker.model import ModelRunner, SeqStep
+
+    # head_dim 128 beside hidden 64 / 2 heads: Qwen3's explicit head width (its published models all use 128)
+    base = build_tiny_base(tmp_path / "base", arch="qwen3", seed=3, hidden=64, heads=2, kv_heads=1, head_dim=128)
+    source = write_qwen3_gguf(base, tmp_path / "tiny-qwen3.f32.gguf")
+    report = import_gguf(source, tmp_path / "out", progress=False)
+    assert (report.gguf_architecture, report.model_type) == ("qwen3", "qwen3")
+    manifest = shape_manifest_from_checkpoint(tmp_path / "out")
+    assert (manifest["architecture"], manifest["head_dim"]) == ("qwen3", 128)
+
+    prompt = [5, 17, 99, 300, 42, 7, 8]
+    logits = []
+    for folder in (base, tmp_path / "out"):
+        runner = ModelRunner(folder, pool_pages=16, enable_lora=False)
+        logits.append(runner.forward([SeqStep(runner.kv.allocator.allocate(1), 0, prompt)])[0])
+    assert logits[0].abs().max() > 1.0
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+
+
+def test_a_qwen3_gguf_whose_head_width_transformers_cannot_read_is_refused_before_converting(tmp_path):
+    from adapters.gguf_import import GGUFImportError, import_gguf
+
+    base = build_tiny_base(tmp_path / "base", arch="qwen3", seed=3, hidden=64, heads=2, kv_heads=1, head_dim=24)
+    source = write_qwen3_gguf(base, tmp_path / "odd-qwen3.f32.gguf")
+    with pytest.raises(GGUFImportError, match=r"heads of 24 \(attention.key_length\) cannot be read from GGUF by "
+                                              r"transformers for 'qwen3', which assumes 128.*Nothing was written"):
+        import_gguf(source, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
