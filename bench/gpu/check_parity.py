@@ -46,6 +46,8 @@ def extra(ap) -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per request (default 32; 12)")
     ap.add_argument("--shapes", choices=("auto", "tiny", "7b"), default="auto",
                     help="model shapes (auto: 7b on the GPU, tiny in the rehearsal)")
+    ap.add_argument("--arch", choices=("llama", "qwen3"), default="llama",
+                    help="the family (qwen3: Qwen3-8B's layer shapes, or tiny ones with head_dim 24; step parity_qwen3)")
 
 
 def main() -> None:
@@ -54,7 +56,7 @@ def main() -> None:
     args.layers = args.layers or (2 if tiny else 4)
     args.requests = args.requests or (8 if tiny else 32)
     args.new_tokens = args.new_tokens or (12 if tiny else 32)
-    run("parity", args, lambda step: body(step, args))
+    run("parity" if args.arch == "llama" else f"parity_{args.arch}", args, lambda step: body(step, args))
 
 
 def body(step, args) -> None:
@@ -62,6 +64,8 @@ def body(step, args) -> None:
 
     require_device(step)
     from bench.gpu.models import (
+        QWEN3_8B,
+        QWEN3_TINY,
         SEVEN_B,
         TINY,
         adapter_ref,
@@ -79,11 +83,16 @@ def body(step, args) -> None:
 
     dev, tiny, dtype = args.device, args.rehearsal, torch.bfloat16
     R, N = args.requests, args.new_tokens
-    shape = dict(TINY if args.shapes == "tiny" or (args.shapes == "auto" and tiny) else SEVEN_B)
-    work = Path(args.work) / "parity"
+    small = args.shapes == "tiny" or (args.shapes == "auto" and tiny)
+    if args.arch == "qwen3":
+        shape = dict(QWEN3_TINY if small else QWEN3_8B)
+    else:
+        shape = dict(TINY if small else SEVEN_B)
+    work = Path(args.work) / f"parity_{args.arch}"
     t = time.perf_counter()
-    base = build_random_llama(work / "base", layers=args.layers, seed=1, device=dev, **shape)
-    step.figure(model={**shape, "layers": args.layers, "dtype": "bfloat16"}, requests=R, new_tokens=N,
+    base = build_random_llama(work / "base", layers=args.layers, seed=1, device=dev, arch=args.arch, **shape)
+    step.figure(model={**shape, "arch": args.arch, "layers": args.layers, "dtype": "bfloat16"}, requests=R,
+                new_tokens=N,
                 build_model_s=round(time.perf_counter() - t, 1))
     step.log(f"built {base}")
     vocab = shape["vocab"]
@@ -148,7 +157,7 @@ def body(step, args) -> None:
     # --- our runner, teacher-forced on the same tokens ---------------------------------------------------
     shape_ = ModelShape.from_config({"hidden_size": shape["hidden"], "num_attention_heads": shape["heads"],
                                      "num_key_value_heads": shape["kv_heads"], "num_hidden_layers": args.layers,
-                                     "intermediate_size": shape["intermediate"]})
+                                     "intermediate_size": shape["intermediate"], "head_dim": shape.get("head_dim")})
     bs = 16
     kv_pages = sum(math.ceil((len(p) + N) / bs) for _, p, _ in requests) + 16
     lora_pages = sum(adapter_pages(shape_, sp["r"], sp["targets"], bs) for sp in specs)

@@ -27,12 +27,18 @@ import torch
 
 SEVEN_B = dict(hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000)
 TINY = dict(hidden=64, heads=4, kv_heads=4, intermediate=176, vocab=512)
+# Qwen3 (arch="qwen3"): Qwen3-8B's layer shapes (GQA 4, head_dim 128 written in the config), Llama-2's vocabulary to
+# keep the check's time; tiny: heads of 24 beside hidden 64, so q_dim (96) is not hidden
+QWEN3_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=32000)
+QWEN3_TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=24, intermediate=176, vocab=512)
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def build_random_llama(out_dir, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
-                       vocab: int, max_position: int = 1024, seed: int = 0, device: str = "cpu") -> Path:
-    """Write config.json, generation_config.json, tokenizer files and model.safetensors (bf16) to out_dir."""
+                       vocab: int, max_position: int = 1024, seed: int = 0, device: str = "cpu", arch: str = "llama",
+                       head_dim: int | None = None) -> Path:
+    """Write config.json, generation_config.json, tokenizer files and model.safetensors (bf16) to out_dir.
+    arch="qwen3": a Qwen3 (per-head q/k RMSNorm weights, jittered like the other norms; `head_dim` as given)."""
     import transformers
     from safetensors.torch import save_file
 
@@ -44,19 +50,26 @@ def build_random_llama(out_dir, *, layers: int, hidden: int, heads: int, kv_head
     tokenizer.save_pretrained(out)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab = max(vocab, len(tokenizer))
-    config = transformers.LlamaConfig(
+    common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_position,
         rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=ids[PAD], bos_token_id=ids[BOS],
         eos_token_id=ids[IM_END], rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         dtype="bfloat16")
-    config.architectures = ["LlamaForCausalLM"]
+    head_dim = head_dim or hidden // heads
+    if arch == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False)
+        config.architectures = ["Qwen3ForCausalLM"]
+    elif arch == "llama" and head_dim == hidden // heads:
+        config = transformers.LlamaConfig(**common)
+        config.architectures = ["LlamaForCausalLM"]
+    else:
+        raise ValueError(f"arch must be llama or qwen3 (head_dim for qwen3 only), not {arch!r}")
     config.save_pretrained(out)
     transformers.GenerationConfig(bos_token_id=ids[BOS], eos_token_id=ids[IM_END],
                                   pad_token_id=ids[PAD]).save_pretrained(out)
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    head_dim = hidden // heads
 
     def randn(*shape, scale=1.0, shift=0.0) -> torch.Tensor:
         t = torch.randn(*shape, generator=gen, device=device).mul_(scale).add_(shift)
@@ -72,6 +85,9 @@ def build_random_llama(out_dir, *, layers: int, hidden: int, heads: int, kv_head
         w[f"{p}.self_attn.q_proj.weight"] = linear(heads * head_dim, hidden)
         w[f"{p}.self_attn.k_proj.weight"] = linear(kv_heads * head_dim, hidden)
         w[f"{p}.self_attn.v_proj.weight"] = linear(kv_heads * head_dim, hidden)
+        if arch == "qwen3":
+            w[f"{p}.self_attn.q_norm.weight"] = randn(head_dim, scale=0.1, shift=1.0)
+            w[f"{p}.self_attn.k_norm.weight"] = randn(head_dim, scale=0.1, shift=1.0)
         w[f"{p}.self_attn.o_proj.weight"] = linear(hidden, heads * head_dim)
         w[f"{p}.post_attention_layernorm.weight"] = randn(hidden, scale=0.1, shift=1.0)
         w[f"{p}.mlp.gate_proj.weight"] = linear(intermediate, hidden)
