@@ -97,6 +97,12 @@ bench: install
 bench-peers: install
 	$(PY) bench/peers.py $(PEERS_ARGS)
 
+# The whole stack (gunicorn, PostgreSQL, Redis, one worker) against `vllm serve` over HTTP, both driven by vLLM's
+# `vllm bench serve`, plus the fairness scenarios of issue 46 (bench/serve.py; vLLM's venv as for bench-peers).
+.PHONY: bench-serve
+bench-serve: install
+	$(PY) bench/serve.py $(SERVE_ARGS)
+
 # The GPU check (issue 16), for the machine with the GPU: python3 from PATH (or PYTHON=...), figures and logs
 # under $$OUT (default var/gpu_check). `make gpu-check GPU_CHECK_ARGS=--cpu-rehearsal` rehearses it on CPU.
 .PHONY: gpu-check
