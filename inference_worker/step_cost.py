@@ -39,16 +39,22 @@ class StepShape:
 
 
 class StepCost:
-    """Online fit of step seconds; `fixed=(a, b, c)` freezes it (deterministic tests, benchmarks)."""
+    """Online fit of step seconds; `fixed=(a, b, c)` freezes it (deterministic tests, benchmarks).
+
+    Exponentially weighted least squares (old steps forgotten by `forget` a step) with a ridge toward the prior:
+    the weighted sums stay bounded however long the worker runs, and a direction the steps never vary in (say,
+    no long prompt yet) keeps the prior's coefficient instead of drifting."""
 
     def __init__(self, fixed: tuple[float, float, float] | None = None, *, prior: tuple[float, float, float] =
-                 (5e-3, 1e-4, 1e-8), forget: float = 0.98):
+                 (5e-3, 1e-4, 1e-8), forget: float = 0.98, ridge: float = 0.01):
         self.frozen = fixed is not None
-        self.theta = np.array(fixed if fixed is not None else prior, dtype=np.float64)
-        # feature scales keep the normal equations well conditioned (tokens ~1e2, attended ~1e6)
-        self._scale = np.array([1.0, 1e-2, 1e-6])
-        self._P = np.eye(3) * 1e3  # large: the prior counts for little against measurements
-        self.forget = forget
+        self.prior = np.array(fixed if fixed is not None else prior, dtype=np.float64)
+        self.theta = self.prior.copy()
+        # feature scales keep the normal equations well conditioned (tokens ~1e2, attended ~1e5)
+        self._scale = np.array([1.0, 1e-2, 1e-5])
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
+        self.forget, self.ridge = forget, ridge
         self.samples = 0
 
     def predict(self, shape: StepShape) -> float:
@@ -58,15 +64,19 @@ class StepCost:
         if self.frozen or not math.isfinite(seconds) or seconds <= 0:
             return
         x = np.array([1.0, shape.tokens, shape.attended]) * self._scale
-        w = self.theta / self._scale
-        Px = self._P @ x
-        k = Px / (self.forget + x @ Px)
-        w = w + k * (seconds - x @ w)
-        self._P = (self._P - np.outer(k, Px)) / self.forget
-        # a cost is never negative: clamp so a noisy phase cannot make prefill look free
-        w = np.maximum(w, [1e-5, 1e-8 / self._scale[1], 0.0])
-        self.theta = w * self._scale
+        self._xx = self.forget * self._xx + np.outer(x, x)
+        self._xy = self.forget * self._xy + x * seconds
         self.samples += 1
+        prior = self.prior / self._scale
+        try:
+            w = np.linalg.solve(self._xx + self.ridge * np.eye(3), self._xy + self.ridge * prior)
+        except np.linalg.LinAlgError:
+            return
+        if not np.all(np.isfinite(w)):
+            return
+        # a cost is never negative, nor the fixed part zero: a noisy phase must not make prefill look free
+        w = np.maximum(w, [1e-5, 0.0, 0.0])
+        self.theta = w * self._scale
 
     def added_seconds(self, start: int, n: int) -> float:
         """Seconds a chunk of n tokens after `start` cached ones adds to a step."""

@@ -208,11 +208,18 @@ def test_the_step_cost_model_learns_the_measured_costs():
         for j in range(1 + i % 16):
             shape.add(start=40 * j + i % 7, n=1)
         if i % 3 == 0:
-            shape.add(start=i * 3 % 400, n=1 + i % 200)
+            shape.add(start=i * 37 % 4000, n=1 + i % 200)  # prompt chunks, some deep in a long prompt
         cost.observe(shape, truth[0] + truth[1] * shape.tokens + truth[2] * shape.attended)
     a, b, c = cost.theta
     assert a == pytest.approx(truth[0], rel=0.05) and b == pytest.approx(truth[1], rel=0.05)
     assert c == pytest.approx(truth[2], rel=0.2)
+    # it stays finite and keeps its fit however long the worker runs the same step
+    same = StepShape()
+    same.add(start=10, n=1)
+    for _ in range(20000):
+        cost.observe(same, truth[0] + truth[1] + truth[2] * same.attended)
+    assert cost.predict(same) == pytest.approx(truth[0] + truth[1] + truth[2] * same.attended, rel=1e-3)
+    assert all(abs(v) < 1 for v in cost.theta)
     frozen = StepCost(fixed=COST)
     assert frozen.prefill_bound(start=0, limit=100, allowance=0.0055) == 5
     assert frozen.prefill_bound(start=0, limit=100, allowance=0.0) == 1  # the floor: never starved
