@@ -187,7 +187,9 @@ def bench_serve(python: Path, target: Target, *, mode: str, load: str, max_token
             "--custom-output-len", str(max_tokens), "--num-prompts", str(n), "--temperature", "0", "--seed", "0",
             "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", ",".join(map(str, PERCENTILES)),
             "--save-result", "--save-detailed", "--result-dir", str(outdir), "--result-filename", f"{name}.json",
-            "--disable-tqdm", "--ready-check-timeout-sec", "600"]
+            "--disable-tqdm", "--ready-check-timeout-sec", "600",
+            # each pass its own prefix-cache scope on both servers: no pass reads KV an earlier one left
+            "--extra-body", json.dumps({"cache_salt": f"{name}-{time.time_ns()}"})]
     if not load.startswith("r"):  # saturation (and the warm-up)
         args += ["--request-rate", "inf", "--max-concurrency", str(concurrency)]
     else:
@@ -427,6 +429,7 @@ class Stream:
     sent_at: float = 0.0  # perf_counter when sent
     times: list | None = None  # per choice: when each content chunk arrived
     tokens: int = 0  # usage.completion_tokens
+    cached: int = 0  # usage.prompt_tokens_details.cached_tokens (0: the salt did its job)
 
     def gaps(self, window: tuple[float, float] | None = None) -> list[float]:
         """Inter-chunk gaps of every choice; with a window (perf_counter times), those that end inside it."""
@@ -440,9 +443,12 @@ class Stream:
 
 async def chat_stream(client, url: str, key: str, content: str, *, max_tokens: int, n: int = 1,
                       ignore_eos: bool = False, model: str = "mine", into: Stream | None = None) -> Stream:
-    """One streamed chat request; `into` (if given) fills in as chunks arrive, so others can watch it run."""
+    """One streamed chat request; `into` (if given) fills in as chunks arrive, so others can watch it run. Each
+    request has a cache_salt of its own: it reads its whole prompt, as the first of its kind would, so a repeat
+    (solo, then loaded) is never cheaper for a prefix cached by the one before."""
     body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "n": n, "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "n": n, "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True},
+            "cache_salt": f"fair-{time.time_ns()}-{id(into)}"}
     s = into or Stream()
     s.sent_at, s.times = time.perf_counter(), [[] for _ in range(n)]
     async with client.stream("POST", url + "/v1/chat/completions", json=body,
@@ -468,6 +474,7 @@ async def chat_stream(client, url: str, key: str, content: str, *, max_tokens: i
                     s.ttft = now if s.ttft is None else s.ttft
             if obj.get("usage"):
                 s.tokens = obj["usage"]["completion_tokens"]
+                s.cached = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     s.latency = time.perf_counter() - s.sent_at
     return s
 
@@ -494,7 +501,7 @@ def long_prompt(model_dir: Path, tokens: int) -> tuple[str, int]:
     while True:
         lines.append(f"{k + 1}. {QUESTIONS[k % len(QUESTIONS)]}")
         k += 1
-        if k % 32 == 0:
+        if k % 8 == 0:
             text = "\n".join(lines) + ask
             n = len(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False))
@@ -561,7 +568,8 @@ class Fairness:
                "latency_s": [r.latency for r in ok], "ttft_s": [r.ttft for r in ok], "tokens": [r.tokens for r in ok]}
         if ok:
             out.update(latency_median_s=median(out["latency_s"]), ttft_median_s=median(out["ttft_s"]))
-        lat = f"latency median {out['latency_median_s']:.2f} s, TTFT median {out['ttft_median_s']:.2f} s" if ok else ""
+        lat = (f"latency median {out['latency_median_s']:.2f} s, TTFT median {out['ttft_median_s']:.2f} s, "
+               f"{median(out['tokens']):.0f} tokens") if ok else ""
         self.log(f"    {label}: {len(ok)}/{len(runs)} answered{', ' if ok else ''}{lat}"
                  f"{'; ' + out['errors'][0] if out['errors'] else ''}")
         return out
@@ -593,6 +601,10 @@ class Fairness:
         kw = dict(max_tokens=a.victim_tokens, ignore_eos=True)
         self.log(f"  long prompt: tenant 'victim' {a.victims} streams of {a.victim_tokens} tokens (ignore_eos); tenant "
                  f"'attacker' one prompt of {n_tokens} tokens (chat template included), max_tokens 16")
+        alone = await chat_stream(client, self.url, self.keys["attacker"], text, max_tokens=16)
+        self.log(f"    long prompt alone: status {alone.status}{' ' + alone.error if alone.error else ''}, TTFT "
+                 f"{(alone.ttft or float('nan')):.2f} s ({n_tokens / (alone.ttft or float('nan')):.0f} prompt tokens/s)")
+        self.stack.wait_idle()
         solo_streams = await asyncio.gather(*[chat_stream(client, self.url, self.keys["victim"], c, **kw)
                                               for c in contents])
         solo_gaps = [g for s in solo_streams for g in s.gaps()]
@@ -606,7 +618,8 @@ class Fairness:
         window = (long_sent, long_sent + (long.ttft if long.ttft is not None else 0.0))
         all_gaps = [g for s in victims for g in s.gaps()]
         win_gaps = [g for s in victims for g in s.gaps(window)]
-        out = {"prompt_tokens": n_tokens, "long_status": long.status, "long_error": long.error,
+        out = {"prompt_tokens": n_tokens, "alone_ttft_s": alone.ttft, "long_status": long.status, "long_error": long.error,
+               "long_cached_tokens": long.cached,
                "long_ttft_s": long.ttft, "long_latency_s": long.latency,
                "solo_itl_p95_s": pct(solo_gaps, 95), "solo_itl_p50_s": pct(solo_gaps, 50),
                "loaded_itl_p95_s": pct(all_gaps, 95), "loaded_itl_p50_s": pct(all_gaps, 50),
@@ -617,8 +630,9 @@ class Fairness:
                "victim_errors": [s.error for s in list(solo_streams) + list(victims) if s.error][:3]}
         out["ratio_itl_p95"] = out["loaded_itl_p95_s"] / out["solo_itl_p95_s"]
         out["ratio_window_itl_p95"] = out["window_itl_p95_s"] / out["solo_itl_p95_s"]
-        self.log(f"    long prompt: status {long.status}{' ' + long.error if long.error else ''}, TTFT "
-                 f"{(long.ttft or float('nan')):.2f} s, done in {(long.latency or float('nan')):.2f} s")
+        self.log(f"    long prompt beside them: status {long.status}{' ' + long.error if long.error else ''}, TTFT "
+                 f"{(long.ttft or float('nan')):.2f} s, done in {(long.latency or float('nan')):.2f} s, "
+                 f"{long.cached} prompt tokens read from the prefix cache")
         self.log(f"    victim ITL p50/p95: solo {1e3 * out['solo_itl_p50_s']:.0f}/{1e3 * out['solo_itl_p95_s']:.0f} ms; "
                  f"beside the long prompt {1e3 * out['loaded_itl_p50_s']:.0f}/{1e3 * out['loaded_itl_p95_s']:.0f} ms "
                  f"(whole answers, {out['ratio_itl_p95']:.2f}x), p95 {1e3 * out['window_itl_p95_s']:.0f} ms and max "
@@ -850,7 +864,8 @@ def run_main(argv: list[str]) -> None:
     if "long-prompt" in fair:
         lp = fair["long-prompt"]
         log(f"  long prompt: the other tenant's ITL p95 {lp['ratio_itl_p95']:.2f}x solo over whole answers, "
-            f"{lp['ratio_window_itl_p95']:.2f}x while it is read (goal <= 2); its TTFT {lp['long_ttft_s'] or float('nan'):.2f} s")
+            f"{lp['ratio_window_itl_p95']:.2f}x while it is read (goal <= 2); its TTFT {lp['long_ttft_s'] or float('nan'):.2f} s "
+            f"({lp['alone_ttft_s'] or float('nan'):.2f} s alone)")
     log(f"\nload average at end {os.getloadavg()[0]:.1f}; files in {rundir}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
