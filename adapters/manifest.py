@@ -32,7 +32,8 @@ class ManifestError(ValueError):
 
 def shape_manifest_from_config(config: dict) -> dict:
     try:
-        arch = family_of(config).model_type
+        family = family_of(config)
+        arch = family.model_type
         rope = rope_from_config(config)  # a RoPE the runner cannot compute is refused here, not at the worker
     except UnservedBase:
         raise ManifestError(
@@ -52,7 +53,7 @@ def shape_manifest_from_config(config: dict) -> dict:
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or hidden // heads)
     shape = ModelShape(num_layers=layers, hidden_size=hidden, intermediate_size=intermediate, num_heads=heads,
-                       num_kv_heads=kv_heads, head_dim=head_dim)
+                       num_kv_heads=kv_heads, head_dim=head_dim, fused=family.fused)
     modules = {
         name: {
             "in_features": d_in,
@@ -60,7 +61,7 @@ def shape_manifest_from_config(config: dict) -> dict:
             "layers": layers,
             "path": f"model.layers.{{layer}}.{BLOCK_OF[name]}.{name}",
         }
-        for name, (d_in, d_out) in shape.projections().items()
+        for name, (d_in, d_out) in shape.peft_modules().items()  # Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj
     }
     return {
         "architecture": arch,

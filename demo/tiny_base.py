@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 PAD, BOS, EOS = "<|pad|>", "<|startoftext|>", "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -92,6 +92,10 @@ def _config(arch: str, *, vocab: int, hidden: int, layers: int, heads: int, kv_h
         # head_dim as given (Qwen3 writes it explicitly; it may differ from hidden / heads), no q/k/v bias
         return transformers.Qwen3Config(**common, head_dim=head_dim or hidden // heads, attention_bias=False,
                                         use_sliding_window=False)
+    if arch == "phi3":
+        # q/k/v and gate/up fused in the checkpoint (qkv_proj, gate_up_proj); original context = max_position, so a
+        # LongRoPE config added later has its factors to switch between
+        return transformers.Phi3Config(**common, original_max_position_embeddings=max_position, sliding_window=None)
     return transformers.Qwen2Config(**common, use_sliding_window=False)
 
 
@@ -126,6 +130,12 @@ def _weights(arch: str, *, seed: int, vocab: int, hidden: int, layers: int, head
         w[f"{p}.mlp.gate_proj.weight"] = linear(intermediate, hidden)
         w[f"{p}.mlp.up_proj.weight"] = linear(intermediate, hidden)
         w[f"{p}.mlp.down_proj.weight"] = linear(hidden, intermediate)
+    if arch == "phi3":  # Phi-3's checkpoint holds q/k/v and gate/up as one weight each (rows in that order)
+        for i in range(layers):
+            p = f"model.layers.{i}"
+            w[f"{p}.self_attn.qkv_proj.weight"] = torch.cat([w.pop(f"{p}.self_attn.{n}.weight")
+                                                             for n in ("q_proj", "k_proj", "v_proj")])
+            w[f"{p}.mlp.gate_up_proj.weight"] = torch.cat([w.pop(f"{p}.mlp.{n}.weight") for n in ("gate_proj", "up_proj")])
     w["model.norm.weight"] = norm(hidden)
     if not tie_embeddings:
         w["lm_head.weight"] = linear(vocab, hidden)
@@ -159,7 +169,8 @@ def build_tiny_base(out_dir, *, arch: str = "llama", seed: int = 0, hidden: int 
     config = _config(arch, **shape, max_position=max_position, tie_embeddings=tie_embeddings, ids=ids,
                      head_dim=head_dim)
     config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
+                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                             "phi3": "Phi3ForCausalLM"}[arch]]
     config.save_pretrained(out)
     GenerationConfig(bos_token_id=ids[BOS], eos_token_id=[ids[IM_END], ids[EOS]],
                      pad_token_id=ids[PAD]).save_pretrained(out)

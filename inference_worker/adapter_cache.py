@@ -119,7 +119,7 @@ class LoraShapes:
     def from_config(cls, config) -> LoraShapes:
         """From the runner's config or a Hugging Face config dict (protocol.lora_layout's arithmetic)."""
         shape = ModelShape.from_config(config)
-        return cls(num_layers=shape.num_layers, modules=shape.projections())
+        return cls(num_layers=shape.num_layers, modules=shape.peft_modules())  # a fused family's: qkv_proj, ...
 
 
 @dataclass
@@ -147,7 +147,7 @@ def check_adapter_weights(weights: dict[str, torch.Tensor], ref: AdapterRef, sha
     seen: dict[tuple[int, str], set[str]] = {}
     for name, t in weights.items():
         parsed = parse_peft_name(name)
-        if parsed is None:
+        if parsed is None or parsed[1] not in shapes.modules:
             fail(f"tensor {name!r} is not a lora_A/lora_B weight of a target projection")
         layer, module, kind = parsed
         if layer >= shapes.num_layers:

@@ -1,5 +1,5 @@
-"""The model runner: a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3: protocol.lora_layout.FAMILIES) over a
-paged KV cache, with LoRA.
+"""The model runner: a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3/Phi-4: protocol.lora_layout.FAMILIES)
+over a paged KV cache, with LoRA.
 
 One `forward(steps)` runs one engine iteration: any mix of prefill chunks and decode tokens, of any
 adapters, as one batch. Every projection is one GEMM over all tokens of the step (q/k/v and gate/up are
@@ -30,7 +30,7 @@ from kernels import gemm as native_gemm
 from kernels import gemm_lora as native_gemm_lora
 from kernels import gemm_pack as native_gemm_pack
 from kernels import rms_norm as native_rms_norm
-from protocol.lora_layout import FAMILIES, SERVED_MODEL_TYPES, Family, ModelShape, family_of
+from protocol.lora_layout import FAMILIES, SERVED_MODEL_TYPES, Family, ModelShape, family_of, split_fused_adapter
 from protocol.memory import (
     PACK_MIN_HIDDEN,
     STEP_ARENA_BYTES,
@@ -145,6 +145,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / factor
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(config.rope_theta, hd, factor, scaling)
+    if scaling["rope_type"] == "longrope":  # the short factors; rope_tables takes the long ones past the original
+        return _longrope_inv_freq(config.rope_theta, hd, scaling["short_factor"])
     # llama3: long wavelengths are divided by factor, short ones kept, the band between interpolated.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_ctx = float(scaling["original_max_position_embeddings"])
@@ -180,13 +182,22 @@ def _yarn_inv_freq(base: float, dim: int, factor: float, scaling: dict) -> torch
     return interpolation * (1 - keep) + extrapolation * keep
 
 
+def _longrope_inv_freq(base: float, dim: int, ext_factors: list[float]) -> torch.Tensor:
+    """LongRoPE (transformers' _compute_longrope_parameters): each frequency divided by its factor."""
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(ext_factors, dtype=torch.float32) * base ** shape)
+
+
 def rope_attention_factor(config: ModelConfig) -> float:
-    """What transformers multiplies cos and sin by: YaRN's attention factor, 1 for the other types."""
+    """What transformers multiplies cos and sin by: YaRN's and LongRoPE's attention factors, 1 for the other types."""
     scaling = config.rope_scaling
-    if scaling is None or scaling["rope_type"] != "yarn":
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "longrope":
+        factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def get_mscale(scale: float, mscale: float = 1) -> float:
         return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -200,6 +211,8 @@ def rope_attention_factor(config: ModelConfig) -> float:
 def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin (apply_rope's [-sin, sin]) of every served position, fp32 [P, head_dim], as
     transformers computes them (cos/sin of position x inv_freq, times the attention factor).
+
+    LongRoPE (protocol.rope): position p takes the long factors when p + 1 > original_max_position_embeddings.
 
     Dynamic NTK (protocol.rope): position p takes the frequencies of a sequence of max(p + 1, max_position_embeddings)
     tokens, computed as transformers' dynamic update computes them (seq_len a tensor, so the new base in fp32)."""
@@ -218,6 +231,11 @@ def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
             exponent = torch.arange(0, hd, 2, dtype=torch.int64).to(dtype=torch.float) / hd  # [hd/2]
             grown = 1.0 / (base.unsqueeze(1) ** exponent.unsqueeze(0))  # [N, hd/2]
             freqs[original:] = pos[original:].unsqueeze(1) * grown
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        original = int(scaling["original_max_position_embeddings"])
+        if P > original:  # past the original context: the long factors (transformers' longrope_frequency_update)
+            freqs[original:] = torch.outer(pos[original:], _longrope_inv_freq(config.rope_theta, hd,
+                                                                               scaling["long_factor"]))
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
     scale = rope_attention_factor(config)
     return emb.cos() * scale, torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scale
@@ -432,8 +450,14 @@ class Block:
         self.kv_dim = cfg.num_kv_heads * cfg.head_dim
         self.input_norm = w["input_layernorm.weight"]  # [hidden]
         self.post_norm = w["post_attention_layernorm.weight"]  # [hidden]
-        w_qkv = torch.cat([w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"],
-                           w["self_attn.v_proj.weight"]]).contiguous()  # [q_dim + 2 kv_dim, hidden]
+        if cfg.family.fused:  # Phi-3: q/k/v and gate/up already fused in the checkpoint, in the order used here
+            w_qkv = w["self_attn.qkv_proj.weight"].contiguous()  # [q_dim + 2 kv_dim, hidden]
+        else:
+            w_qkv = torch.cat([w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"],
+                               w["self_attn.v_proj.weight"]]).contiguous()  # [q_dim + 2 kv_dim, hidden]
+        if tuple(w_qkv.shape) != (self.q_dim + 2 * self.kv_dim, cfg.hidden_size):
+            raise ValueError(f"layer {layer}: q/k/v weights of shape {list(w_qkv.shape)}, the config needs "
+                             f"{[self.q_dim + 2 * self.kv_dim, cfg.hidden_size]}")
         biases = [w.get(f"self_attn.{p}.bias") for p in ("q_proj", "k_proj", "v_proj")]
         b_qkv = None
         if any(b is not None for b in biases):  # Qwen2 (or Llama with attention_bias)
@@ -446,8 +470,9 @@ class Block:
         self.qkv = Projection(w_qkv, b_qkv, pack_rows=pack, native=native)  # fused q/k/v
         self.o = Projection(w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"), pack_rows=pack,
                             native=native)
-        self.gate_up = Projection(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]).contiguous(),
-                                  pack_rows=pack, native=native)  # [2 intermediate, hidden]
+        w_gate_up = (w["mlp.gate_up_proj.weight"] if cfg.family.fused
+                     else torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
+        self.gate_up = Projection(w_gate_up.contiguous(), pack_rows=pack, native=native)  # [2 intermediate, hidden]
         self.down = Projection(w["mlp.down_proj.weight"], pack_rows=pack, native=native)  # [hidden, intermediate]
         self.window = cfg.sliding_windows[layer]
         # Qwen3: q and k normalised per head before RoPE, one weight [head_dim] each, repeated here to [H + KV, hd]
@@ -809,6 +834,8 @@ class ModelRunner:
         if it does not fit this base, lora.NoRoom if the pool has no run of pages for it now."""
         if self.lora is None:
             raise RuntimeError("this runner was built with enable_lora=False")
+        if self.shape.fused:  # Phi-3's qkv_proj / gate_up_proj adapters become their parts' (protocol.lora_layout)
+            weights = split_fused_adapter(weights, self.shape)
         return self.lora.place(key, weights, rank=rank, scale=scale)
 
     def unload_adapter(self, slot: int) -> None:

@@ -14,7 +14,19 @@ from dataclasses import dataclass
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES  # canonical order: also the order of an adapter's pages
-BLOCK_OF = {**{m: "self_attn" for m in ATTENTION_MODULES}, **{m: "mlp" for m in MLP_MODULES}}
+# Phi-3's checkpoints (and so PEFT's adapters for them) hold q/k/v as one qkv_proj [q + 2 kv, hidden] and gate/up as
+# one gate_up_proj [2 intermediate, hidden] (gate rows first, as Phi3MLP chunks them).
+#
+# Decision (issue 48): MAP, not serve fused. An adapter on a fused module, A [r, hidden] and B [sum of the parts, r],
+# computes exactly what adapters on its parts compute when they share that A and take B's rows part by part
+# (B[:q], B[q:q + kv], B[q + kv:]). The worker splits it so as it loads it (split_fused_adapter), so every family has
+# one layout in the pool (the seven parts, TARGET_MODULES order), one memory arithmetic and one set of LoRA kernels;
+# the web side checks uploads against the family's own module names (ModelShape.peft_modules), so a PEFT adapter for
+# Phi-3 uploads as PEFT saved it. The cost: A is stored (and multiplied) once per part, 3x for qkv_proj and 2x for
+# gate_up_proj: an all-linear adapter on Phi-3-mini's shapes takes 1.19x the elements of the fused form.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+BLOCK_OF = {**{m: "self_attn" for m in ATTENTION_MODULES}, **{m: "mlp" for m in MLP_MODULES},
+            "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 
 
 @dataclass(frozen=True)
@@ -25,8 +37,9 @@ class Family:
     qkv_bias: bool = False  # q, k and v carry biases (Qwen2); Llama's attention_bias=True adds them to o too
     qk_norm: bool = False  # per-head RMSNorm on q and k after their projections, before RoPE (Qwen3): the weights
     # self_attn.q_norm / k_norm [head_dim]; an adapter on q_proj or k_proj changes what is normalised
-    sliding_windows: str = "none"  # "all": every layer attends to the last sliding_window positions (Mistral);
-    # "per_layer": layer_types (or max_window_layers) picks the layers, when use_sliding_window (Qwen2, Qwen3)
+    sliding_windows: str = "none"  # "all": every layer attends to the last sliding_window positions (Mistral,
+    # Phi-3); "per_layer": layer_types (or max_window_layers) picks the layers, when use_sliding_window (Qwen2, Qwen3)
+    fused: bool = False  # qkv_proj and gate_up_proj in the checkpoint and in adapters (FUSED_MODULES)
 
 
 FAMILIES = {
@@ -34,6 +47,7 @@ FAMILIES = {
     "mistral": Family("mistral", sliding_windows="all"),
     "qwen2": Family("qwen2", qkv_bias=True, sliding_windows="per_layer"),
     "qwen3": Family("qwen3", qk_norm=True, sliding_windows="per_layer"),
+    "phi3": Family("phi3", sliding_windows="all", fused=True),  # Phi-3 and Phi-4 (their model_type is phi3)
 }
 SERVED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -61,6 +75,7 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    fused: bool = False  # the family's adapters name qkv_proj and gate_up_proj (FUSED_MODULES)
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -75,6 +90,7 @@ class ModelShape:
 
         hidden = int(get("hidden_size"))
         heads = int(get("num_attention_heads", "num_heads"))
+        family = FAMILIES.get(str(get("model_type", "architecture")))
         return cls(
             num_layers=int(get("num_hidden_layers", "num_layers")),
             hidden_size=hidden,
@@ -82,6 +98,7 @@ class ModelShape:
             num_heads=heads,
             num_kv_heads=int(get("num_key_value_heads", "num_kv_heads", default=heads)),
             head_dim=int(get("head_dim", default=hidden // heads)),
+            fused=bool(get("fused", default=family is not None and family.fused)),
         )
 
     @property
@@ -98,6 +115,51 @@ class ModelShape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
+    def peft_modules(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of the modules an adapter for this family names: the seven projections, or
+        for a fused family qkv_proj, o_proj, gate_up_proj and down_proj (what upload validation checks)."""
+        proj = self.projections()
+        if not self.fused:
+            return proj
+        h, i = self.hidden_size, self.intermediate_size
+        return {"qkv_proj": (h, self.q_dim + 2 * self.kv_dim), "o_proj": proj["o_proj"], "gate_up_proj": (h, 2 * i),
+                "down_proj": proj["down_proj"]}
+
+    def part_rows(self, fused_module: str) -> list[tuple[str, int, int]]:
+        """(part, first row, end row) of each part's rows in a fused module's output (and so in its lora_B)."""
+        sizes = {"qkv_proj": (self.q_dim, self.kv_dim, self.kv_dim),
+                 "gate_up_proj": (self.intermediate_size, self.intermediate_size)}[fused_module]
+        out, at = [], 0
+        for part, n in zip(FUSED_MODULES[fused_module], sizes, strict=True):
+            out.append((part, at, at + n))
+            at += n
+        return out
+
+
+def expand_targets(targets) -> set[str]:
+    """Target module names with each fused one replaced by its parts: what an adapter occupies in the pool."""
+    out: set[str] = set()
+    for t in targets:
+        out.update(FUSED_MODULES.get(t, (t,)))
+    return out
+
+
+def split_fused_adapter(weights: dict, shape: ModelShape) -> dict:
+    """PEFT weights (name -> tensor) with every fused module's lora_A / lora_B replaced by its parts' (the same A for
+    each part, B's rows of that part): the mapping decided above. Other tensors pass through; names keep their form
+    (saved or in-memory). The tensors are views, not copies."""
+    out = {}
+    for name, t in weights.items():
+        m = _PEFT_NAME.match(name)
+        if m is None or m.group("module") not in FUSED_MODULES:
+            out[name] = t
+            continue
+        module = m.group("module")
+        head, tail = name[:m.start("module")], name[m.end("module"):]
+        for part, lo, hi in shape.part_rows(module):
+            out[f"{head}{part}{tail}"] = t if m.group("ab") == "A" else t[lo:hi]
+    return out
+
 
 def peft_scale(alpha: float, rank: int, use_rslora: bool) -> float:
     """PEFT's LoRA scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
@@ -109,7 +171,8 @@ def peft_scale(alpha: float, rank: int, use_rslora: bool) -> float:
 # (saved names only), the worker's adapter cache (saved names only) and the LoRA layers (either).
 _PEFT_NAME = re.compile(
     r"^(?P<prefix>.*?)(?:^|\.)layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\."
-    r"(?P<module>" + "|".join(TARGET_MODULES) + r")\.lora_(?P<ab>[AB])(?P<adapter>\.[A-Za-z0-9_]+)?\.weight$"
+    r"(?P<module>" + "|".join(TARGET_MODULES + tuple(FUSED_MODULES)) + r")"
+    r"\.lora_(?P<ab>[AB])(?P<adapter>\.[A-Za-z0-9_]+)?\.weight$"
 )
 SAVED_PREFIX = "base_model.model.model"
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .lora_layout import TARGET_MODULES, ModelShape
+from .lora_layout import TARGET_MODULES, ModelShape, expand_targets
 
 GIB = 1 << 30
 ALIGN = 16  # elements: every adapter matrix starts on a multiple of this (64 B in fp32), for vector loads
@@ -59,7 +59,10 @@ def page_bytes(shape: ModelShape, block_size: int, dtype_bytes: int) -> int:
 
 
 def adapter_elements_per_layer(shape: ModelShape, rank: int, targets) -> int:
+    """Elements of one layer's matrices; a fused target (qkv_proj, gate_up_proj) counts as its parts, as the worker
+    stores it (protocol.lora_layout.FUSED_MODULES)."""
     proj = shape.projections()
+    targets = expand_targets(targets)
     unknown = set(targets) - set(proj)
     if unknown:
         raise ValueError(f"unknown target modules {sorted(unknown)}; known: {list(TARGET_MODULES)}")
@@ -68,8 +71,10 @@ def adapter_elements_per_layer(shape: ModelShape, rank: int, targets) -> int:
 
 def adapter_layout(shape: ModelShape, rank: int, targets) -> dict[str, tuple[int, int]]:
     """Offsets (elements, from the start of the adapter's run in one layer) of each target's A [r, in]
-    and B^T [r, out], in TARGET_MODULES order. The worker places matrices exactly here."""
+    and B^T [r, out], in TARGET_MODULES order (a fused target as its parts). The worker places matrices exactly
+    here."""
     proj, out, o = shape.projections(), {}, 0
+    targets = expand_targets(targets)
     for t in TARGET_MODULES:
         if t in targets:
             d_in, d_out = proj[t]

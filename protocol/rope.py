@@ -20,14 +20,27 @@ Served types and what the runner computes (transformers 5.x, modeling_rope_utils
   prompt's tokens with the frequencies of its full length there (and, batched, with those of the batch's longest
   sequence), which would make a token's keys depend on the chunk and the batch it was computed in; here a key
   depends on its position only, so chunked prefill, the prefix cache and batching give the same result.
-Refused, named: longrope (until phi3 is served), any other type, partial_rotary_factor below 1, per-layer-type
-(nested) rope_parameters.
+- longrope (Phi-3's LongRoPE; a Phi-3 config's "su" and "yarn" are read as longrope, as transformers reads them):
+  inv_freq divided by short_factor or long_factor per frequency, cos/sin times the attention factor
+  (sqrt(1 + ln(factor) / ln(original_max_position_embeddings)), factor max_position_embeddings / original unless
+  given). Position p takes the long factors when p + 1 > original_max_position_embeddings, the short ones otherwise:
+  what transformers' forward does for every token it is given one at a time with its cache. So every sequence that
+  stays within the original context (most chats on a 128k Phi-3) gets exactly transformers' short-factor result.
+  Past it there are two differences: a single forward over a longer prompt rotates all of it with the long factors
+  there (as for dynamic), and Phi-3's generate() throws its cache away at the crossing and recomputes the whole
+  sequence with the long factors, where here the keys before the crossing keep their short rotation. Matching
+  generate() exactly there needs the engine to re-prefill a sequence once when it crosses (not done). vLLM instead
+  takes the long factors for every sequence when its max_model_len exceeds the original context. Served up to
+  max_position_embeddings.
+Refused, named: any other type, partial_rotary_factor below 1 (Phi-4-mini), per-layer-type (nested)
+rope_parameters, and for phi3 any type but default and longrope (transformers refuses those too).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SERVED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+SERVED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+PHI3_ROPE_TYPES = ("default", "longrope")  # Phi3Config's own check
 
 
 class RopeError(ValueError):
@@ -66,6 +79,12 @@ def rope_from_config(cfg: dict) -> RopeSpec:
     theta = float((cfg.get("rope_parameters") or {}).get("rope_theta") or params.get("rope_theta")
                   or cfg.get("rope_theta") or 10000.0)
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    phi3 = cfg.get("model_type") == "phi3"
+    if phi3 and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi3Config's backward compatibility: older Phi-3 configs name LongRoPE so
+    if phi3 and rope_type not in PHI3_ROPE_TYPES:
+        raise RopeError(f"RoPE scaling type {rope_type!r} is not supported for phi3; supported: "
+                        f"{', '.join(PHI3_ROPE_TYPES)}")
     if rope_type not in SERVED_ROPE_TYPES:
         raise RopeError(f"RoPE scaling type {rope_type!r} is not supported; supported: "
                         f"{', '.join(SERVED_ROPE_TYPES)}")
@@ -73,19 +92,28 @@ def rope_from_config(cfg: dict) -> RopeSpec:
     if partial is not None and float(partial) != 1.0:
         raise RopeError(f"partial_rotary_factor {partial} is not supported (RoPE over the whole head only)")
     params = {k: v for k, v in params.items() if k not in ("type", "rope_type", "rope_theta")}
-    if rope_type in ("llama3", "yarn"):
-        # transformers' standardize_rope_params: a top-level original_max_position_embeddings wins, else the
-        # parameters' own, else max_position_embeddings
-        original = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # transformers' standardize_rope_params: a top-level original_max_position_embeddings wins (Phi3Config always
+        # has one, 4096 by default), else the parameters' own, else max_position_embeddings
+        original = cfg.get("original_max_position_embeddings", 4096 if phi3 else None) \
+            or params.get("original_max_position_embeddings")
         params["original_max_position_embeddings"] = int(original or max_pos)
-    if rope_type == "yarn" and params.get("factor") is None:
+    if rope_type in ("yarn", "longrope") and params.get("factor") is None:
         params["factor"] = max_pos / params["original_max_position_embeddings"]
+    if rope_type == "longrope":
+        heads = int(cfg.get("num_attention_heads") or 1)
+        half = int(cfg.get("head_dim") or int(cfg.get("hidden_size") or 0) // heads) // 2
+        for key in ("short_factor", "long_factor"):
+            value = params.get(key)
+            if not (isinstance(value, list) and len(value) == half
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)):
+                raise RopeError(f"RoPE scaling 'longrope' needs {key}: a list of {half} numbers (head_dim / 2)")
     if rope_type != "default":
         try:
             factor = float(params["factor"])
         except (KeyError, TypeError, ValueError):
             raise RopeError(f"RoPE scaling {rope_type!r} needs a numeric 'factor'") from None
-        if factor < 1.0:
+        if factor < 1.0 and rope_type != "longrope":  # LongRoPE's factor only sets its attention factor
             raise RopeError(f"RoPE scaling factor must be at least 1, not {factor}")
     if rope_type == "llama3":
         missing = [k for k in ("low_freq_factor", "high_freq_factor") if params.get(k) is None]

@@ -354,7 +354,7 @@ def test_dynamic_ntk_base_is_registered_with_its_extended_context(short_llama, t
     assert ModelRunner(path, pool_pages=64).config.max_position_embeddings == 128  # and what the engine serves
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "phi3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "qwen3_moe", "mixtral"])
 def test_unserved_model_types_are_refused_by_name(tiny_llama, tmp_path, model_type):
     from adapters.manifest import ManifestError, shape_manifest_from_checkpoint
 
@@ -362,7 +362,7 @@ def test_unserved_model_types_are_refused_by_name(tiny_llama, tmp_path, model_ty
     shutil.copytree(tiny_llama, path)
     _edit_config(path, model_type=model_type)
     with pytest.raises(ManifestError, match=f"model_type '{model_type}' is not supported; lorafleet serves llama, "
-                                            "mistral, qwen2, qwen3"):
+                                            "mistral, qwen2, qwen3, phi3"):
         shape_manifest_from_checkpoint(path)
     with pytest.raises(ValueError, match=f"unsupported model_type '{model_type}'"):
         ModelRunner(path, pool_pages=64)
@@ -384,3 +384,181 @@ def test_a_qwen3_peft_adapter_passes_upload_validation_as_peft_saved_it(tiny_qwe
                                                "model_type": "llama", "head_dim": None})
     with pytest.raises(AdapterValidationError):
         validate_adapter(config, io.BytesIO(data), len(data), llama_shaped, max_rank=64)
+
+
+# --- Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, LongRoPE ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_phi3(tmp_path_factory):
+    """Phi-3 as transformers writes it: q/k/v and gate/up fused in the checkpoint, GQA, every layer windowed (8)."""
+    path = build_tiny_base(tmp_path_factory.mktemp("tiny_phi3"), arch="phi3", seed=13, hidden=64, heads=4,
+                           kv_heads=2, layers=2, intermediate=96)
+    _edit_config(path, sliding_window=8)
+    return path
+
+
+def test_the_tiny_phi3_is_fused_as_phi3_checkpoints_are(tiny_phi3):
+    model = hf_model(tiny_phi3)
+    layer = model.model.layers[0]
+    assert model.config.model_type == "phi3" and model.config.sliding_window == 8
+    assert layer.self_attn.qkv_proj.out_features == 64 + 2 * 32 and layer.mlp.gate_up_proj.out_features == 2 * 96
+    assert ModelRunner(tiny_phi3, pool_pages=64, enable_lora=False).config.sliding_windows == [8, 8]
+
+
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
+def test_phi3_logits_and_greedy_tokens_match_transformers(tiny_phi3, packed):
+    runner = ModelRunner(tiny_phi3, pool_pages=256, **packed)
+    model = hf_model(tiny_phi3)
+    prompt = (PROMPT * 2)[:24]  # past the window
+    seq = Seq(runner, len(prompt) + 11)
+    ours = runner.forward([seq.step(prompt)])[0]
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    theirs, past = out.logits[0, -1], out.past_key_values
+    assert theirs.abs().max() > 1.0
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    for _ in range(10):
+        tok = int(theirs.argmax())
+        ours = runner.forward([seq.step([tok])])[0]
+        with torch.no_grad():
+            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        theirs, past = out.logits[0, -1], out.past_key_values
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert greedy(runner, PROMPT, 32) == hf_greedy(model, PROMPT, 32)
+
+
+# PEFT's own names for Phi-3: the fused modules, as a user's adapter has them
+PHI3_ADAPTERS = [(8, 16, False, ("qkv_proj",)),
+                 (16, 32, True, ("o_proj", "gate_up_proj")),
+                 (32, 64, False, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
+
+
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
+def test_phi3_mixed_batch_of_fused_peft_adapters_matches_peft_on_every_request(tiny_phi3, tmp_path, packed):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    dirs = [make_random_peft_adapter(tiny_phi3, tmp_path / f"a{r}", r=r, alpha=alpha, use_rslora=rs,
+                                     target_modules=targets, seed=r)
+            for r, alpha, rs, targets in PHI3_ADAPTERS]
+    assert any(".qkv_proj.lora_A." in k for k in load_file(str(dirs[0] / "adapter_model.safetensors")))
+    runner = ModelRunner(tiny_phi3, pool_pages=512, max_lora_rank=32, **packed)
+    slots = [load_peft_into(runner, d) for d in dirs] + [-1]
+    requests = list(zip(PROMPTS, slots, strict=True))
+    n = 24
+    together, first = greedy_batch(runner, requests, n)
+    for i, (prompt, slot) in enumerate(requests):
+        model = hf_model(tiny_phi3) if slot < 0 else PeftModel.from_pretrained(hf_model(tiny_phi3),
+                                                                               str(dirs[i])).eval()
+        assert together[i] == hf_greedy(model, prompt, n), f"request {i} (slot {slot})"
+        with torch.no_grad():
+            theirs = model(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(first[i], theirs, atol=1e-4, rtol=0)
+        assert together[i] == greedy(runner, prompt, n, slot=slot)  # batch invariance
+    assert all(together[i] != greedy(runner, PROMPTS[i], n) for i in range(3))
+
+
+def test_a_fused_adapter_takes_the_pages_of_its_parts(tiny_phi3, tmp_path):
+    """The mapping (protocol.lora_layout.FUSED_MODULES): the planner's arithmetic for a qkv_proj/gate_up_proj adapter
+    is that of q/k/v and gate/up adapters of the same rank, and the worker takes exactly that many pages."""
+    from protocol.lora_layout import ModelShape
+    from protocol.memory import adapter_pages
+
+    shape = ModelShape.from_config(json.loads((tiny_phi3 / "config.json").read_text()))
+    assert shape.fused and set(shape.peft_modules()) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    fused = adapter_pages(shape, 32, ["qkv_proj", "gate_up_proj"], 16)
+    assert fused == adapter_pages(shape, 32, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], 16)
+    runner = ModelRunner(tiny_phi3, pool_pages=512, max_lora_rank=32)
+    free = runner.pool.num_free
+    load_peft_into(runner, make_random_peft_adapter(tiny_phi3, tmp_path / "a", r=32,
+                                                    target_modules=("qkv_proj", "gate_up_proj")))
+    assert free - runner.pool.num_free == fused
+
+
+def test_a_phi3_peft_adapter_passes_upload_validation_and_the_workers_check_as_peft_saved_it(tiny_phi3, tmp_path):
+    from safetensors.torch import load_file
+
+    from adapters.manifest import shape_manifest_from_checkpoint
+    from adapters.validation import AdapterValidationError, validate_adapter
+    from inference_worker.adapter_cache import LoraShapes, check_adapter_weights
+    from protocol.jobs import AdapterRef
+
+    adapter = make_random_peft_adapter(tiny_phi3, tmp_path / "a", r=16,
+                                       target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    data = (adapter / "adapter_model.safetensors").read_bytes()
+    manifest = shape_manifest_from_checkpoint(tiny_phi3)
+    assert manifest["modules"]["qkv_proj"]["out_features"] == 128 and "q_proj" not in manifest["modules"]
+    spec = validate_adapter(config, io.BytesIO(data), len(data), manifest, max_rank=64)
+    assert sorted(spec.target_modules) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    ref = AdapterRef(version_id=1, sha256="0" * 64, storage_key="k", rank=16, alpha=float(config["lora_alpha"]),
+                     use_rslora=False, target_modules=spec.target_modules, name="a")
+    check_adapter_weights(load_file(str(adapter / "adapter_model.safetensors")), ref,
+                          LoraShapes.from_config(ModelRunner(tiny_phi3, pool_pages=64).config), max_rank=64)
+    # an adapter with Llama's module names is not one of this base's (Phi3 has no q_proj module)
+    llama_named = {k.replace("qkv_proj", "q_proj"): v for k, v in load_file(str(adapter / "adapter_model.safetensors"))
+                   .items() if "qkv_proj" in k}
+    from safetensors.torch import save as save_bytes
+    blob = save_bytes(llama_named)
+    with pytest.raises(AdapterValidationError, match="q_proj"):
+        validate_adapter({**config, "target_modules": ["q_proj"]}, io.BytesIO(blob), len(blob), manifest, max_rank=64)
+
+
+def _longrope(half: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1.0 + 0.5 * torch.rand(half, generator=gen)).tolist(),
+            "long_factor": (1.0 + 8.0 * torch.rand(half, generator=gen)).tolist()}
+
+
+@pytest.mark.parametrize("spelling", ["v5", "v4"])
+def test_phi3_longrope_matches_transformers_token_by_token_across_the_original_context(tiny_phi3, tmp_path, spelling):
+    """LongRoPE: the short factors within original_max_position_embeddings (48 here), the long ones past it, the
+    attention factor sqrt(1 + ln(128 / 48) / ln 48) throughout; as transformers' forward computes them, token by
+    token with its cache."""
+    rope = _longrope(8, seed=1)
+    path = tmp_path / "longrope"
+    shutil.copytree(tiny_phi3, path)
+    if spelling == "v5":
+        _edit_config(path, rope_parameters=rope, original_max_position_embeddings=48, max_position_embeddings=128)
+    else:  # transformers 4.x: rope_scaling {"type": ...}, rope_theta beside it
+        _edit_config(path, rope_parameters=None, rope_theta=10000.0, original_max_position_embeddings=48,
+                     max_position_embeddings=128, rope_scaling={"type": "longrope", "short_factor": rope["short_factor"],
+                                                                "long_factor": rope["long_factor"]})
+    runner = ModelRunner(path, pool_pages=256, enable_lora=False)
+    assert runner.config.rope_scaling["rope_type"] == "longrope" and runner.config.max_position_embeddings == 128
+    model = hf_model(path)
+    assert model.model.rotary_emb.rope_type == "longrope"
+    prompt = (PROMPT * 3)[:40]
+    seq = Seq(runner, 100)
+    ours = runner.forward([seq.step(prompt)])[0]
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    theirs, past = out.logits[0, -1], out.past_key_values
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    for _ in range(40):  # positions 40..79: across 48
+        tok = int(theirs.argmax())
+        ours = runner.forward([seq.step([tok])])[0]
+        with torch.no_grad():
+            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        theirs, past = out.logits[0, -1], out.past_key_values
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    # generate() agrees while a sequence stays within the original context (HF's Phi-3 generate recomputes the whole
+    # cache with the long factors at the crossing, which the runner does not: protocol.rope)
+    assert greedy(runner, prompt[:24], 24) == hf_greedy(hf_model(path), prompt[:24], 24)
+
+
+@pytest.mark.parametrize("rope, match", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "not supported for phi3"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}, "short_factor: a list of 8"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8, "partial_rotary_factor": 0.75},
+     "partial_rotary_factor"),
+], ids=["dynamic", "short-factor-length", "phi4-mini-partial-rotary"])
+def test_phi3_rope_that_transformers_or_the_runner_cannot_serve_is_refused(tiny_phi3, tmp_path, rope, match):
+    from adapters.manifest import ManifestError, shape_manifest_from_checkpoint
+
+    path = _with_rope(tiny_phi3, tmp_path / "bad", {"rope_theta": 10000.0, **rope})
+    with pytest.raises(ValueError, match=match):
+        ModelRunner(path, pool_pages=64)
+    with pytest.raises(ManifestError, match=match):
+        shape_manifest_from_checkpoint(path)
