@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field
 
-from protocol.lora_layout import FAMILIES
+from protocol.lora_layout import FAMILIES, FUSED_MODULES
 
 from .manifest import ATTENTION_MODULES, TARGET_MODULES, shape_manifest_from_config
 
@@ -154,7 +154,9 @@ def resolve_targets(targets: str | list[str] | tuple[str, ...], manifest: dict) 
     """A preset name, a comma-separated string or a list -> module names the base actually has."""
     if isinstance(targets, str):
         if targets in TARGET_PRESETS:
-            names = TARGET_PRESETS[targets]
+            # in the base's own module names: a fused family's qkv_proj is attention, gate_up_proj MLP
+            preset = set(TARGET_PRESETS[targets])
+            names = tuple(m for m in manifest["modules"] if set(FUSED_MODULES.get(m, (m,))) <= preset)
         else:
             names = tuple(t.strip() for t in targets.split(",") if t.strip())
     else:
@@ -345,6 +347,16 @@ def plan_capacity(
     )
 
 
+def concurrent_at_mean(kv_bytes_left: int, kv_bytes_per_token: int, block_size: int, mean_tokens: int) -> int:
+    """Sequences whose KV fits in `kv_bytes_left` when each holds `mean_tokens` (prompt + answer so far) in whole
+    blocks: what a worker that takes KV on demand runs at once when its sequences average that length (beyond it,
+    the pool runs out and sequences are preempted). The worst case is every sequence at its full context."""
+    if mean_tokens < 1:
+        raise CapacityError("the mean sequence length must be at least one token.")
+    per = -(-mean_tokens // block_size) * block_size * kv_bytes_per_token
+    return max(kv_bytes_left, 0) // per
+
+
 def capacity_table(
     manifest: dict,
     *,
@@ -374,8 +386,8 @@ def parse_fleet_mix(text: str, manifest: dict) -> list:
     for part in (p.strip() for p in text.split(",") if p.strip()):
         try:
             rank, targets, count = part.split(":")
-            names = TARGET_PRESETS.get(targets) or tuple(t for t in targets.split("+") if t)
-            entries.append(FleetEntry(rank=int(rank), targets=resolve_targets(list(names), manifest),
+            names = targets if targets in TARGET_PRESETS else [t for t in targets.split("+") if t]
+            entries.append(FleetEntry(rank=int(rank), targets=resolve_targets(names, manifest),
                                       count=int(count)))
         except ValueError as exc:
             raise CapacityError(f"fleet mix entry {part!r} is not RANK:TARGETS:COUNT ({exc}).") from None

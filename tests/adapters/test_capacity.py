@@ -260,3 +260,16 @@ def test_command_plans_a_registered_base_from_its_manifest():
     assert "Base bytes                    14,483,464,192" in text  # 7,241,732,096 * 2
     with pytest.raises(CommandError, match="No registered base model 'nope'"):
         _capacity("--base", "nope", "--rank", "8", "--adapters", "1", "--gpu-gb", "40")
+
+
+def test_command_shows_the_concurrency_at_a_mean_length_beside_the_worst_case():
+    """KV is taken on demand: at a mean of 512 tokens a sequence, the 80 GB card of the 100-adapter plan runs
+    58,527,776,768 // (32 blocks * 16 * 524,288) = 218 sequences, where 27 fit at the full 4,096-token context."""
+    args = ("--preset", "llama-2-7b", "--rank", "16", "--targets", "all-linear", "--adapters", "100", "--gpu-gb", "80")
+    text = _capacity(*args, "--mean-tokens", "512")
+    assert "Max concurrent sequences      27" in text
+    assert "At a mean of 512 tokens a sequence (KV taken on demand): 218 concurrent sequences" in text
+    data = json.loads(_capacity(*args, "--mean-tokens", "500", "--json"))  # 500 tokens still take 32 blocks
+    assert data["plan"]["concurrent_sequences_at_mean"] == 218
+    with pytest.raises(CommandError, match="at least one token"):
+        _capacity(*args, "--mean-tokens", "0")

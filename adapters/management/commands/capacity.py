@@ -20,6 +20,7 @@ from adapters.capacity import (
     CapacityError,
     CapacityPlan,
     capacity_table,
+    concurrent_at_mean,
     parse_fleet_mix,
     plan_capacity,
     plan_pool,
@@ -50,6 +51,10 @@ class Command(BaseCommand):
         parser.add_argument("--adapters", type=int, required=True, help="Adapters resident on the card.")
         parser.add_argument("--gpu-gb", type=float, required=True, help="GPU memory in GB (10**9 bytes).")
         parser.add_argument("--context", type=int, default=4096, help="Tokens per sequence (default 4096).")
+        parser.add_argument("--mean-tokens", type=int, default=None,
+                            help="Mean tokens a sequence holds (prompt + answer): also show the concurrency at that "
+                                 "mean, which a worker taking KV on demand reaches (the worst case is every "
+                                 "sequence at --context).")
         parser.add_argument("--dtype", default="bf16", help="Weights dtype, base and adapters (default bf16).")
         parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype).")
         parser.add_argument("--block-size", type=int, default=16, help="Paged KV block size (default 16).")
@@ -112,8 +117,20 @@ class Command(BaseCommand):
                                  fleet=fleet, context_len=opts["context"], adapter_dtype=opts["adapter_dtype"])
             except CapacityError as exc:
                 raise CommandError(str(exc)) from None
+        mean = opts["mean_tokens"]
+        try:
+            if mean is not None:
+                at_mean = concurrent_at_mean(plan.kv_bytes_left, plan.kv_bytes_per_token, plan.block_size, mean)
+                if pool is not None:
+                    f = pool["fleet"]
+                    f["mean_tokens"] = mean
+                    f["concurrent_sequences_at_mean"] = max(f["kv_pages"], 0) // -(-mean // opts["block_size"])
+        except CapacityError as exc:
+            raise CommandError(str(exc)) from None
         if opts["json"]:
             out = {"plan": plan.to_dict(), "table": [p.to_dict() for p in table]}
+            if mean is not None:
+                out["plan"]["mean_tokens"], out["plan"]["concurrent_sequences_at_mean"] = mean, at_mean
             if pool is not None:
                 out["pool"] = pool
             self.stdout.write(json.dumps(out, indent=2))
@@ -122,6 +139,9 @@ class Command(BaseCommand):
             self._print_pool(pool)
             return
         self._print_plan(plan, manifest)
+        if mean is not None:
+            self.stdout.write(f"At a mean of {mean} tokens a sequence (KV taken on demand): {_n(at_mean)} concurrent "
+                              f"sequences")
         self._print_table(table, plan)
 
     def _print_pool(self, pool: dict) -> None:
@@ -135,6 +155,9 @@ class Command(BaseCommand):
               f"{_n(f['adapter_pages'])} pages")
         w(f"KV pages left {_n(f['kv_pages'])}: {_n(f['concurrent_sequences'])} concurrent sequences of "
           f"{f['context_len']} tokens ({f['blocks_per_sequence']} blocks each)")
+        if "mean_tokens" in f:
+            w(f"At a mean of {f['mean_tokens']} tokens a sequence (KV taken on demand): "
+              f"{_n(f['concurrent_sequences_at_mean'])} concurrent sequences")
 
     def _print_plan(self, plan: CapacityPlan, manifest: dict) -> None:
         w = self.stdout.write
