@@ -103,6 +103,12 @@ bench-peers: install
 bench-serve: install
 	$(PY) bench/serve.py $(SERVE_ARGS)
 
+# Scheduling by share on the engine (issue 46): capture, a near-context prompt, a 256 MiB pool under chat answers,
+# a shared system prompt (bench/scheduling.py).
+.PHONY: bench-scheduling
+bench-scheduling: install
+	$(PY) bench/scheduling.py $(SCHEDULING_ARGS)
+
 # The GPU check (issue 16), for the machine with the GPU: python3 from PATH (or PYTHON=...), figures and logs
 # under $$OUT (default var/gpu_check). `make gpu-check GPU_CHECK_ARGS=--cpu-rehearsal` rehearses it on CPU.
 .PHONY: gpu-check
