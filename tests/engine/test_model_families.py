@@ -562,3 +562,17 @@ def test_phi3_rope_that_transformers_or_the_runner_cannot_serve_is_refused(tiny_
         ModelRunner(path, pool_pages=64)
     with pytest.raises(ManifestError, match=match):
         shape_manifest_from_checkpoint(path)
+
+
+def test_the_capacity_planner_reads_a_phi3_base_in_its_own_module_names(tiny_phi3):
+    """The presets name the base's modules (qkv_proj is attention, gate_up_proj MLP), and the pool arithmetic counts
+    a fused module as its parts, as the worker stores it."""
+    from adapters.capacity import capacity_table, parse_fleet_mix, resolve_targets
+    from adapters.manifest import shape_manifest_from_checkpoint
+
+    manifest = shape_manifest_from_checkpoint(tiny_phi3)
+    assert resolve_targets("attention-only", manifest) == ("qkv_proj", "o_proj")
+    assert resolve_targets("all-linear", manifest) == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    assert len(capacity_table(manifest, gpu_gb=1.0)) == 10
+    mix = parse_fleet_mix("8:attention-only:5,16:gate_up_proj+down_proj:3", manifest)
+    assert [e.targets for e in mix] == [("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj")]
