@@ -908,7 +908,6 @@ class Engine:
         tf = time.perf_counter()
         logits, failed, prompt_logits = self._forward(steps, every)  # [len(steps), vocab]
         forward_s = time.perf_counter() - tf
-        self.step_cost.observe(shape, forward_s)
 
         rows: list[int] = []  # logits row of each sequence that takes a token now
         seqs: list[_Seq] = []
@@ -969,10 +968,13 @@ class Engine:
             if seq.state == RUN and not seq.done:
                 self._preempt(seq)
         self._tidy()
+        step_s = time.perf_counter() - t0
+        # the whole step, not only its forward: sampling and bookkeeping grow with the rows too, and a token's
+        # wait is the step's
+        self.step_cost.observe(shape, step_s)
         self.metrics.record_step(
             batch_size=len(steps), tokens=shape.tokens,
-            distinct_adapters=len({s.slot for s in steps}), forward_s=forward_s,
-            step_s=time.perf_counter() - t0,
+            distinct_adapters=len({s.slot for s in steps}), forward_s=forward_s, step_s=step_s,
         )
 
     def _bound_decodes(self, decodes: list[_Seq]) -> tuple[list[_Seq], float | None]:
