@@ -21,7 +21,7 @@ import torch
 
 from kernels import HALF_WEIGHTS, LoraMapping, LoraTable, add_lora, repeatable_lora_call
 from kernels.cpu import FusedLoraGroup, NativeLoraCall
-from protocol.lora_layout import TARGET_MODULES, ModelShape, parse_peft_name
+from protocol.lora_layout import TARGET_MODULES, ModelShape, expand_targets, parse_peft_name
 from protocol.memory import adapter_layout, adapter_pages
 
 from .memory_pool import PagePool
@@ -108,7 +108,8 @@ class LoraPool:
         """Pages an adapter of `rank` on `targets` takes here (a fixed slot's size in fixed-slot mode)."""
         if self.fixed_pages:
             return self.fixed_pages
-        return adapter_pages(self.shape, rank, [t for t in targets if t in self.projections] or TARGET_MODULES,
+        return adapter_pages(self.shape, rank,  # a fused target (Phi-3's qkv_proj) as its parts, as place stores it
+                             [t for t in expand_targets(targets) if t in self.projections] or TARGET_MODULES,
                              self.block_size, self.packing)
 
     @property

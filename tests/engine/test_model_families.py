@@ -473,6 +473,7 @@ def test_a_fused_adapter_takes_the_pages_of_its_parts(tiny_phi3, tmp_path):
     load_peft_into(runner, make_random_peft_adapter(tiny_phi3, tmp_path / "a", r=32,
                                                     target_modules=("qkv_proj", "gate_up_proj")))
     assert free - runner.pool.num_free == fused
+    assert runner.lora.pages_for(32, ["qkv_proj", "gate_up_proj"]) == fused  # what the engine reserves before loading
 
 
 def test_a_phi3_peft_adapter_passes_upload_validation_and_the_workers_check_as_peft_saved_it(tiny_phi3, tmp_path):
@@ -576,3 +577,40 @@ def test_the_capacity_planner_reads_a_phi3_base_in_its_own_module_names(tiny_phi
     assert len(capacity_table(manifest, gpu_gb=1.0)) == 10
     mix = parse_fleet_mix("8:attention-only:5,16:gate_up_proj+down_proj:3", manifest)
     assert [e.targets for e in mix] == [("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj")]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_the_engine_serves_each_familys_peft_adapter_as_peft_does(request, tmp_path, arch):
+    """The worker's whole adapter path (the blob read and checked by the adapter cache, placed by the runner, a
+    fused adapter split on the way) and its scheduler: greedy tokens of an adapter request and a base request in one
+    engine equal PEFT's and transformers' generate."""
+    import hashlib
+
+    from peft import PeftModel
+
+    from inference_worker.engine import Engine
+    from protocol.jobs import AdapterRef, GenerationJob
+
+    base = request.getfixturevalue(f"tiny_{arch}")
+    targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if arch == "phi3" else ALL_TARGETS
+    adapter = make_random_peft_adapter(base, tmp_path / "a", r=16, alpha=32, target_modules=targets, seed=3)
+    blob = (adapter / "adapter_model.safetensors").read_bytes()
+    ref = AdapterRef(version_id=1, sha256=hashlib.sha256(blob).hexdigest(), storage_key="adapters/a", rank=16,
+                     alpha=32.0, use_rslora=False, target_modules=sorted(targets), name="a")
+    n = 16
+    engine = Engine(ModelRunner(base, pool_pages=512, max_lora_rank=32), {"adapters/a": blob}.__getitem__,
+                    max_running=4).start()
+    try:
+        handles = [engine.submit(GenerationJob(request_id=rid, adapter=adapter_ref, prompt_token_ids=list(PROMPT),
+                                               max_tokens=n, temperature=0.0, ignore_eos=True))
+                   for rid, adapter_ref in (("lora", ref), ("base", None))]
+        results = [h.result(60) for h in handles]
+    finally:
+        engine.stop()
+    assert all(r.ok for r in results), [(r.error_code, r.error_message) for r in results]
+    peft_model = PeftModel.from_pretrained(hf_model(base), str(adapter)).eval()
+    with torch.no_grad():
+        theirs = peft_model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    assert results[0].token_ids == theirs[0, len(PROMPT):].tolist()
+    assert results[1].token_ids == hf_greedy(hf_model(base), PROMPT, n)
+    assert results[0].token_ids != results[1].token_ids
