@@ -153,12 +153,13 @@ def bench_long(base: Path, tok, long_tokens: int = 6000) -> dict:
     long_prompt = render(tok, "Summarise this.") + [int(t) for t in rng.integers(100, vocab - 100, long_tokens)]
     try:
         timed_request(eng, chat("warm", render(tok, questions[1]), "chat", 8))
-        alone = timed_request(eng, chat("alone", long_prompt, "reader", 4))
+        # each read of the long prompt under its own cache_salt: the second must not find the first's KV
+        alone = timed_request(eng, chat("alone", long_prompt, "reader", 4, cache_salt="alone"))
         solo = [timed_request(eng, chat(f"solo{i}", render(tok, questions[i]), "chat", 48, ignore_eos=True))
                 for i in range(4)]
         out_holder: dict = {}
         reader = threading.Thread(target=lambda: out_holder.update(
-            r=timed_request(eng, chat("long", long_prompt, "reader", 4))))
+            r=timed_request(eng, chat("long", long_prompt, "reader", 4, cache_salt="beside"))))
         reader.start()
         time.sleep(0.5)
         during, i = [], 0
