@@ -18,6 +18,11 @@ as it takes to know: a tenant who sends megabytes pays a few milliseconds of the
   budget + 1 tokens of work whatever the text's size. Text that may fit is then tokenized whole, so the
   count that decides is exact and nothing that fits is ever refused.
 - Lists and strings that need no tokenizer (messages, stop strings) have fixed caps, checked in order.
+- One large body at a time per API key and per tenant (`LargeBodyTurn`): reading, parsing, binding and
+  measuring a body of megabytes holds the web process's interpreter for milliseconds; a tenant sending many at
+  once waits for its own turns instead of taking the process from every other tenant (and its bodies wait in
+  the socket, not in the web's memory), and it waits without a database connection: the process's pool is for
+  every tenant.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from django.db import connection
+
 from .errors import ApiError, invalid
 
 SLICE_CHARS = 16_384
@@ -35,6 +42,8 @@ SOFT_SEAM_SLACK = 4  # tokens a seam at a piece boundary may add (a prepended "â
 HARD_SEAM_SLACK = 16  # tokens a cut inside a word may add, plus the longest added token's length (a split one)
 MAX_MESSAGES = 2_048  # OpenAI's own limit on `messages`
 MAX_STOP_CHARS = 1_000  # one stop string; the output it would have to match is far shorter in practice
+LARGE_BODY_BYTES = 256 * 1024  # a body this large waits for its turn (LargeBodyTurn)
+_TURN_STRIPES = 64  # locks shared by tenant id modulo this: bounded memory, rarely two tenants on one
 
 
 class TooLong(Exception):
@@ -205,3 +214,42 @@ def check_lists(params) -> None:
         if len(s) > MAX_STOP_CHARS:
             raise invalid(f"Each stop string may be at most {MAX_STOP_CHARS} characters; one has {len(s)}.",
                           param="stop")
+
+
+class LargeBodyTurn:
+    """Held while a request whose body is LARGE_BODY_BYTES or more (by its Content-Length) is authenticated,
+    read, parsed, bound and its prompt measured: one such request at a time per API key (taken before the key
+    is even looked up) and per tenant (`take`, once it is known) in this process. Small bodies never wait; a
+    request that waits holds no database connection. Released before the job is enqueued: a turn never spans
+    a generation."""
+
+    _by_key = [threading.Lock() for _ in range(_TURN_STRIPES)]
+    _by_tenant = [threading.Lock() for _ in range(_TURN_STRIPES)]
+
+    def __init__(self, request):
+        try:
+            length = int(request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            length = 0
+        self.large = length >= LARGE_BODY_BYTES
+        self._key = hash(request.META.get("HTTP_AUTHORIZATION", "")) % _TURN_STRIPES
+        self._held: list[threading.Lock] = []
+
+    def __enter__(self) -> LargeBodyTurn:
+        if self.large:
+            self._wait(self._by_key[self._key])
+        return self
+
+    def take(self, tenant) -> None:
+        if self.large:
+            self._wait(self._by_tenant[tenant.pk % _TURN_STRIPES])
+
+    def _wait(self, lock: threading.Lock) -> None:
+        if not connection.in_atomic_block:
+            connection.close()  # back to the pool while this waits: other tenants' requests need it
+        lock.acquire()
+        self._held.append(lock)
+
+    def __exit__(self, *exc) -> None:
+        while self._held:
+            self._held.pop().release()

@@ -20,7 +20,7 @@ from adapters.models import AdapterVersion
 from protocol.errors import ErrorCode
 from protocol.jobs import AdapterRef, GenerationJob, GenerationResult, JobMeta
 
-from . import audit, metrics, request_guard
+from . import audit, input_bounds, metrics, request_guard
 from .auth import KeyRefused, authenticate
 from .binding import Target, resolve_target
 from .errors import ApiError, database_unavailable, from_worker, internal_error, invalid, queue_unavailable, timed_out
@@ -40,17 +40,21 @@ def serve(request, *, route: str, chat: bool) -> HttpResponse:
     metrics.IN_FLIGHT.inc()
     try:
         try:
-            key = authenticate(request)
-            draft.tenant, draft.key_prefix = key.tenant, key.prefix
-            slot = TenantSlot(key.tenant).__enter__()
-            params = (parse_chat if chat else parse_completion)(parse_json_body(read_body(request)))
-            draft.n = params.n
-            draft.target = target = resolve_target(key, params.model)
-            check_logit_bias(target.base, params)
-            if chat:  # the text for the audit; the ids are what the worker reads (one BOS, the template's)
-                params.prompt, params.prompt_token_ids = chat_prompt(target.base, params.messages)
-            draft.prompt_text = params.prompt if params.prompt is not None else repr(params.prompt_token_ids)
-            count_and_check(target.base, params, param="messages" if chat else "prompt")
+            # A body of megabytes is read, parsed, bound and measured in its key's and tenant's turn, so that a
+            # flood of them waits on itself, not on every other tenant (gateway/input_bounds.py)
+            with input_bounds.LargeBodyTurn(request) as turn:
+                key = authenticate(request)
+                draft.tenant, draft.key_prefix = key.tenant, key.prefix
+                slot = TenantSlot(key.tenant).__enter__()
+                turn.take(key.tenant)
+                params = (parse_chat if chat else parse_completion)(parse_json_body(read_body(request)))
+                draft.n = params.n
+                draft.target = target = resolve_target(key, params.model)
+                check_logit_bias(target.base, params)
+                if chat:  # the text for the audit; the ids are what the worker reads (one BOS, the template's)
+                    params.prompt, params.prompt_token_ids = chat_prompt(target.base, params.messages)
+                draft.prompt_text = params.prompt if params.prompt is not None else repr(params.prompt_token_ids)
+                count_and_check(target.base, params, param="messages" if chat else "prompt")
             response = _enqueue_and_answer(draft, target, params, chat=chat, request=request, slot=slot)
             streaming = isinstance(response, StreamingHttpResponse)
             return response
