@@ -66,7 +66,7 @@ class ModelConfig:
     # more where the RoPE scaling extends it (dynamic)
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # None, or {"rope_type": "linear"|"llama3"|"yarn"|"dynamic", ...}
+    rope_scaling: dict | None  # None, or {"rope_type": "linear"|"llama3"|"yarn"|"dynamic"|"longrope", ...}
     tie_word_embeddings: bool
     sliding_windows: list[int | None]  # per layer: attend to the last N positions only, or None
     bos_token_id: int | None = None
