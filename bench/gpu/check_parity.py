@@ -46,8 +46,9 @@ def extra(ap) -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per request (default 32; 12)")
     ap.add_argument("--shapes", choices=("auto", "tiny", "7b"), default="auto",
                     help="model shapes (auto: 7b on the GPU, tiny in the rehearsal)")
-    ap.add_argument("--arch", choices=("llama", "qwen3"), default="llama",
-                    help="the family (qwen3: Qwen3-8B's layer shapes, or tiny ones with head_dim 24; step parity_qwen3)")
+    ap.add_argument("--arch", choices=("llama", "qwen3", "phi3"), default="llama",
+                    help="the family (qwen3: Qwen3-8B's layer shapes, or tiny ones with head_dim 24; phi3: Llama's "
+                         "shapes, q/k/v and gate/up fused, adapters on qkv_proj / gate_up_proj; step parity_<arch>)")
 
 
 def main() -> None:
@@ -99,8 +100,13 @@ def body(step, args) -> None:
 
     ladder = [4, 8, 16, 32, 64] if tiny else [8, 16, 32, 64, 128]
     rank_of = [ladder[i % len(ladder)] for i in range(R)]
+    target_sets = TARGET_SETS
+    if args.arch == "phi3":  # PEFT's names for Phi-3: q/k/v are one module, gate/up another
+        fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                 "up_proj": "gate_up_proj"}
+        target_sets = [tuple(dict.fromkeys(fused.get(t, t) for t in ts)) for ts in TARGET_SETS]
     specs = [dict(name=f"ad{i:02d}", r=rank_of[i], alpha=float(2 * rank_of[i] if i % 2 else 16),
-                  targets=TARGET_SETS[i % len(TARGET_SETS)], rslora=i % 3 == 2, seed=100 + i) for i in range(R)]
+                  targets=target_sets[i % len(target_sets)], rslora=i % 3 == 2, seed=100 + i) for i in range(R)]
     rng = random.Random(0)  # noqa: S311 — reproducible draws, not secrets
     lo, hi = (3, 40) if tiny else (8, 120)
     prompts = [[rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(R)]

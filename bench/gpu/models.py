@@ -38,7 +38,8 @@ def build_random_llama(out_dir, *, layers: int, hidden: int, heads: int, kv_head
                        vocab: int, max_position: int = 1024, seed: int = 0, device: str = "cpu", arch: str = "llama",
                        head_dim: int | None = None) -> Path:
     """Write config.json, generation_config.json, tokenizer files and model.safetensors (bf16) to out_dir.
-    arch="qwen3": a Qwen3 (per-head q/k RMSNorm weights, jittered like the other norms; `head_dim` as given)."""
+    arch="qwen3": a Qwen3 (per-head q/k RMSNorm weights, jittered like the other norms; `head_dim` as given);
+    arch="phi3": a Phi-3 (qkv_proj and gate_up_proj fused in the checkpoint)."""
     import transformers
     from safetensors.torch import save_file
 
@@ -60,11 +61,14 @@ def build_random_llama(out_dir, *, layers: int, hidden: int, heads: int, kv_head
     if arch == "qwen3":
         config = transformers.Qwen3Config(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False)
         config.architectures = ["Qwen3ForCausalLM"]
+    elif arch == "phi3" and head_dim == hidden // heads:  # q/k/v and gate/up fused in the checkpoint
+        config = transformers.Phi3Config(**common, original_max_position_embeddings=max_position, sliding_window=None)
+        config.architectures = ["Phi3ForCausalLM"]
     elif arch == "llama" and head_dim == hidden // heads:
         config = transformers.LlamaConfig(**common)
         config.architectures = ["LlamaForCausalLM"]
     else:
-        raise ValueError(f"arch must be llama or qwen3 (head_dim for qwen3 only), not {arch!r}")
+        raise ValueError(f"arch must be llama, qwen3 or phi3 (head_dim for qwen3 only), not {arch!r}")
     config.save_pretrained(out)
     transformers.GenerationConfig(bos_token_id=ids[BOS], eos_token_id=ids[IM_END],
                                   pad_token_id=ids[PAD]).save_pretrained(out)
@@ -93,6 +97,12 @@ def build_random_llama(out_dir, *, layers: int, hidden: int, heads: int, kv_head
         w[f"{p}.mlp.gate_proj.weight"] = linear(intermediate, hidden)
         w[f"{p}.mlp.up_proj.weight"] = linear(intermediate, hidden)
         w[f"{p}.mlp.down_proj.weight"] = linear(hidden, intermediate)
+    if arch == "phi3":
+        for i in range(layers):
+            p = f"model.layers.{i}"
+            w[f"{p}.self_attn.qkv_proj.weight"] = torch.cat([w.pop(f"{p}.self_attn.{n}.weight")
+                                                             for n in ("q_proj", "k_proj", "v_proj")])
+            w[f"{p}.mlp.gate_up_proj.weight"] = torch.cat([w.pop(f"{p}.mlp.{n}.weight") for n in ("gate_proj", "up_proj")])
     w["model.norm.weight"] = randn(hidden, scale=0.1, shift=1.0)
     w["lm_head.weight"] = linear(vocab, hidden)
     save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
