@@ -494,9 +494,9 @@ class Engine:
         self.metrics.requests_submitted += 1
         try:
             err = self._prepare(req)
-        except Exception as exc:  # e.g. the tokenizer refusing the input: this request only
+        except Exception:  # e.g. the tokenizer refusing the input: this request only
             log.exception("preparing request %s failed", job.request_id)
-            err = (ErrorCode.INVALID_REQUEST, f"the prompt could not be prepared: {exc}")
+            err = (ErrorCode.INVALID_REQUEST, "the prompt could not be tokenized by this base's tokenizer")
         if err is not None:
             self._fail(req, *err)
             return
