@@ -32,7 +32,7 @@ from .manifest import SUPPORTED_ARCHITECTURES
 MARKER = "gguf_import.json"
 # GGUF's general.architecture -> transformers' model_type, for those the runner serves. llama.cpp writes
 # Mistral checkpoints as "llama"; the newer "mistral" name is accepted too.
-SERVABLE_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+SERVABLE_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 if not set(SERVABLE_GGUF_ARCHITECTURES.values()) <= set(SUPPORTED_ARCHITECTURES):
     raise ImportError("SERVABLE_GGUF_ARCHITECTURES names an architecture the manifest does not support")
 
@@ -100,10 +100,26 @@ def check_servable(gguf_path: Path) -> str:
     if arch not in SERVABLE_GGUF_ARCHITECTURES:
         raise GGUFImportError(
             f"{gguf_path.name}: architecture {arch!r} cannot be served. lorafleet's runner serves Llama-family "
-            f"decoders ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Nothing was written.")
+            f"decoders ({', '.join(SUPPORTED_ARCHITECTURES)}). Nothing was written.")
     model_type = SERVABLE_GGUF_ARCHITECTURES[arch]
     _check_head_dim(gguf_path, arch, model_type)
+    _check_no_longrope(gguf_path, arch)
     return model_type
+
+
+def _check_no_longrope(gguf_path: Path, arch: str) -> None:
+    """Refuse a Phi-3 GGUF with LongRoPE (the 128k models): llama.cpp stores its factors as rope_factors_long /
+    rope_factors_short tensors, which transformers' GGUF reader does not turn back into rope_parameters, so the
+    folder written would rotate with the plain RoPE past the original context."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    names = {t.name for t in reader.tensors}
+    if names & {"rope_factors_long.weight", "rope_factors_short.weight"} or \
+            f"{arch}.rope.scaling.original_context_length" in reader.fields:
+        raise GGUFImportError(
+            f"{gguf_path.name}: LongRoPE scaling (long and short factors) cannot be read from GGUF by transformers; "
+            "import the model's Hugging Face folder with register_base instead. Nothing was written.")
 
 
 def _check_head_dim(gguf_path: Path, arch: str, model_type: str) -> None:
@@ -204,7 +220,7 @@ def _convert(source: Path, out: Path, model_type: str, bar) -> tuple[int, str]:
     config = model.config
     if config.model_type not in SUPPORTED_ARCHITECTURES:  # transformers' reading of the file disagrees
         raise GGUFImportError(f"{source.name}: model_type {config.model_type!r} cannot be served; lorafleet "
-                              f"serves {', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Nothing was written.")
+                              f"serves {', '.join(SUPPORTED_ARCHITECTURES)}. Nothing was written.")
     bar.update(1)
 
     step("write safetensors")

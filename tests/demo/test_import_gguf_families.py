@@ -1,7 +1,7 @@
-"""`import_gguf` on the GGUF architectures llama.cpp writes for the families beyond Llama (issue 48): a Qwen3 GGUF
-written here from a tiny Hugging Face checkpoint, tensors and tokenizer under llama.cpp's names, comes back as a
-folder the runner serves with the original's logits; a Qwen3 GGUF whose head width transformers' GGUF reader would
-get wrong is refused before anything is dequantized."""
+"""`import_gguf` on the GGUF architectures llama.cpp writes for the families beyond Llama (issue 48): a Qwen3 and a
+Phi-3 GGUF written here from tiny Hugging Face checkpoints, tensors and tokenizer under llama.cpp's names, come back as
+folders the runner serves with the original's logits; what transformers' GGUF reader would get wrong (a Qwen3 head
+width other than 128, Phi-3's LongRoPE factors) is refused before anything is dequantized."""
 from __future__ import annotations
 
 import json
@@ -19,12 +19,13 @@ pytest.importorskip("gguf")
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused ones
 
 
-def write_qwen3_gguf(base: Path, path: Path) -> Path:
-    """An fp32 GGUF of the tiny Qwen3 at `base`, as llama.cpp's converter lays it out (qwen3 keeps q and k
-    unpermuted; a byte-level BPE tokenizer is its "gpt2" model)."""
+def write_gguf(base: Path, path: Path, arch: str = "qwen3") -> Path:
+    """An fp32 GGUF of the tiny checkpoint at `base` (qwen3 or phi3), as llama.cpp's converter lays it out (neither
+    permutes q and k; a byte-level BPE tokenizer is its "gpt2" model)."""
     from gguf import GGUFWriter, TokenType
     from safetensors.torch import load_file
 
@@ -36,15 +37,16 @@ def write_qwen3_gguf(base: Path, path: Path) -> Path:
         tokens[i], types[i] = t, TokenType.NORMAL
     for added in tok["added_tokens"]:
         tokens[added["id"]], types[added["id"]] = added["content"], TokenType.CONTROL
-    w = GGUFWriter(str(path), "qwen3")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w = GGUFWriter(str(path), arch)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_tokenizer_model("gpt2")
@@ -80,7 +82,7 @@ def test_a_qwen3_gguf_imports_to_a_folder_the_runner_serves_with_the_originals_l
 
     # head_dim 128 beside hidden 64 / 2 heads: Qwen3's explicit head width (its published models all use 128)
     base = build_tiny_base(tmp_path / "base", arch="qwen3", seed=3, hidden=64, heads=2, kv_heads=1, head_dim=128)
-    source = write_qwen3_gguf(base, tmp_path / "tiny-qwen3.f32.gguf")
+    source = write_gguf(base, tmp_path / "tiny-qwen3.f32.gguf")
     report = import_gguf(source, tmp_path / "out", progress=False)
     assert (report.gguf_architecture, report.model_type) == ("qwen3", "qwen3")
     manifest = shape_manifest_from_checkpoint(tmp_path / "out")
@@ -99,8 +101,47 @@ def test_a_qwen3_gguf_whose_head_width_transformers_cannot_read_is_refused_befor
     from adapters.gguf_import import GGUFImportError, import_gguf
 
     base = build_tiny_base(tmp_path / "base", arch="qwen3", seed=3, hidden=64, heads=2, kv_heads=1, head_dim=24)
-    source = write_qwen3_gguf(base, tmp_path / "odd-qwen3.f32.gguf")
+    source = write_gguf(base, tmp_path / "odd-qwen3.f32.gguf")
     with pytest.raises(GGUFImportError, match=r"heads of 24 \(attention.key_length\) cannot be read from GGUF by "
                                               r"transformers for 'qwen3', which assumes 128.*Nothing was written"):
         import_gguf(source, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_a_phi3_gguf_with_its_fused_tensors_imports_to_a_folder_the_runner_serves(tmp_path):
+    """llama.cpp keeps Phi-3's fusions: attn_qkv, and ffn_up holding gate and up."""
+    from adapters.gguf_import import import_gguf
+    from adapters.manifest import shape_manifest_from_checkpoint
+    from inference_worker.model import ModelRunner, SeqStep
+
+    base = build_tiny_base(tmp_path / "base", arch="phi3", seed=3, hidden=64, heads=4, kv_heads=2)
+    report = import_gguf(write_gguf(base, tmp_path / "tiny-phi3.f32.gguf", "phi3"), tmp_path / "out", progress=False)
+    assert (report.gguf_architecture, report.model_type) == ("phi3", "phi3")
+    assert "qkv_proj" in shape_manifest_from_checkpoint(tmp_path / "out")["modules"]
+    prompt = [5, 17, 99, 300, 42, 7, 8]
+    logits = []
+    for folder in (base, tmp_path / "out"):
+        runner = ModelRunner(folder, pool_pages=16, enable_lora=False)
+        logits.append(runner.forward([SeqStep(runner.kv.allocator.allocate(1), 0, prompt)])[0])
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+
+
+def test_a_phi3_gguf_with_longrope_factors_is_refused_before_converting(tmp_path):
+    """The 128k Phi-3 GGUFs: transformers would read them back without their LongRoPE."""
+    from gguf import GGUFWriter
+
+    from adapters.gguf_import import GGUFImportError, import_gguf
+
+    source = tmp_path / "phi-3-mini-128k.Q4_0.gguf"
+    w = GGUFWriter(str(source), "phi3")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.add_tensor("rope_factors_long.weight", np.ones(4, dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.ones(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFImportError, match="LongRoPE scaling .* cannot be read from GGUF.*Nothing was written"):
+        import_gguf(source, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
