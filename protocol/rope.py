@@ -29,8 +29,7 @@ Served types and what the runner computes (transformers 5.x, modeling_rope_utils
   Past it there are two differences: a single forward over a longer prompt rotates all of it with the long factors
   there (as for dynamic), and Phi-3's generate() throws its cache away at the crossing and recomputes the whole
   sequence with the long factors, where here the keys before the crossing keep their short rotation. Matching
-  generate() exactly there needs the engine to re-prefill a sequence once when it crosses (not done). vLLM instead
-  takes the long factors for every sequence when its max_model_len exceeds the original context. Served up to
+  generate() exactly there needs the engine to re-prefill a sequence once when it crosses (not done). Served up to
   max_position_embeddings.
 Refused, named: any other type, partial_rotary_factor below 1 (Phi-4-mini), per-layer-type (nested)
 rope_parameters, and for phi3 any type but default and longrope (transformers refuses those too).
