@@ -224,7 +224,7 @@ class _Seq:
         self.logprobs: list[dict] | None = [] if logprobs else None
         self.state = WAIT if index == 0 else FORK
         self.keys: list[bytes] = []  # prefix-cache keys of its full computed blocks, in order
-        self.started = 0  # when it last started running (engine counter): the most recent is preempted first
+        self.started = 0  # when it first started running (engine counter): the most recent is preempted first
         self.recompute_upto = 0  # tokens it had computed when last preempted (re-reading them is recomputation)
 
     @property
@@ -768,7 +768,8 @@ class Engine:
             return "blocked"
         seq.blocks += self.allocator.allocate(need)
         seq.state = RUN
-        seq.started = next(self._starts)
+        if not seq.started:  # a resumed sequence keeps its place: preempting it again would re-read it all again
+            seq.started = next(self._starts)
         if first_start:
             req.t_admit = time.perf_counter()
             req.cached_tokens = cached
