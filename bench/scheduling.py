@@ -169,6 +169,7 @@ def bench_long(base: Path, tok, long_tokens: int = 6000) -> dict:
             i += 1
         reader.join()
         under = out_holder["r"]
+        fitted = eng.stats()["step_cost"]
     finally:
         eng.stop()
     gaps_solo = [g for r in solo for g in r["gaps"]]
@@ -176,12 +177,14 @@ def bench_long(base: Path, tok, long_tokens: int = 6000) -> dict:
     out = {"long_prompt_tokens": len(long_prompt), "itl_p50_solo_ms": pct(gaps_solo, 50) * 1e3,
            "itl_p95_solo_ms": pct(gaps_solo, 95) * 1e3, "itl_p50_during_ms": pct(gaps_during, 50) * 1e3,
            "itl_p95_during_ms": pct(gaps_during, 95) * 1e3, "long_ttft_alone_s": alone["ttft"],
-           "long_ttft_bounded_s": under["ttft"], "answers_during": len(during)}
+           "long_ttft_bounded_s": under["ttft"], "answers_during": len(during), "step_cost": fitted}
     out["itl_p95_ratio"] = out["itl_p95_during_ms"] / out["itl_p95_solo_ms"]
     print(f"long prompt ({len(long_prompt)} tokens): the other tenant's ITL p50/p95 solo {out['itl_p50_solo_ms']:.1f}/"
           f"{out['itl_p95_solo_ms']:.1f} ms, while it is read {out['itl_p50_during_ms']:.1f}/"
           f"{out['itl_p95_during_ms']:.1f} ms (p95 {out['itl_p95_ratio']:.2f}x, {len(during)} answers); the long "
-          f"prompt's TTFT alone {alone['ttft']:.1f} s, beside the other tenant {under['ttft']:.1f} s", flush=True)
+          f"prompt's TTFT alone {alone['ttft']:.1f} s, beside the other tenant {under['ttft']:.1f} s; the worker's "
+          f"fitted step cost {fitted['fixed_s'] * 1e3:.1f} ms + {fitted['per_token_s'] * 1e3:.2f} ms a token + "
+          f"{fitted['per_attended_s'] * 1e6:.2f} us an attended position", flush=True)
     return out
 
 

@@ -41,12 +41,13 @@ class StepShape:
 class StepCost:
     """Online fit of step seconds; `fixed=(a, b, c)` freezes it (deterministic tests, benchmarks).
 
-    Exponentially weighted least squares (old steps forgotten by `forget` a step) with a ridge toward the prior:
-    the weighted sums stay bounded however long the worker runs, and a direction the steps never vary in (say,
-    no long prompt yet) keeps the prior's coefficient instead of drifting."""
+    Exponentially weighted least squares (old steps forgotten by `forget` a step) with a ridge toward the last
+    estimate: the weighted sums stay bounded however long the worker runs, and a direction the steps stop varying
+    in keeps what was learned of it. The prior (a CPU's costs for a model of ~100M parameters) errs on the slow
+    side, which only makes prefill chunks smaller until the first steps are measured."""
 
     def __init__(self, fixed: tuple[float, float, float] | None = None, *, prior: tuple[float, float, float] =
-                 (5e-3, 1e-4, 1e-8), forget: float = 0.98, ridge: float = 0.01):
+                 (5e-3, 1e-3, 1e-6), forget: float = 0.98, ridge: float = 0.01):
         self.frozen = fixed is not None
         self.prior = np.array(fixed if fixed is not None else prior, dtype=np.float64)
         self.theta = self.prior.copy()
@@ -67,7 +68,9 @@ class StepCost:
         self._xx = self.forget * self._xx + np.outer(x, x)
         self._xy = self.forget * self._xy + x * seconds
         self.samples += 1
-        prior = self.prior / self._scale
+        # the ridge pulls toward the last estimate, not the prior: a direction the recent steps do not vary in (a
+        # run of decodes after a long prompt) keeps what was learned of it instead of drifting back
+        prior = self.theta / self._scale
         try:
             w = np.linalg.solve(self._xx + self.ridge * np.eye(3), self._xy + self.ridge * prior)
         except np.linalg.LinAlgError:
