@@ -13,7 +13,7 @@ import pytest
 from tests.support.gpu_check import run_check
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = ("kernels", "gpu_kernels", "parity", "fleet")
+STEPS = ("kernels", "gpu_kernels", "parity", "parity_qwen3", "parity_phi3", "fleet")
 
 
 @pytest.mark.timeout(300)
@@ -23,7 +23,7 @@ def test_cpu_rehearsal_runs_every_step_and_records_its_figures(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE", "TRITON_INTERPRET")}
     env.update(OUT=str(out), PYTHON=sys.executable, LORAFLEET_GPU_WORK=str(tmp_path / "work"))
     cmd = ["bash", str(REPO / "bench" / "gpu_check.sh"), "--cpu-rehearsal"]
-    proc = run_check(cmd, env, timeout=240)  # ~1 minute idle, 2+ under load
+    proc = run_check(cmd, env, timeout=600)  # ~3 minutes idle with the qwen3 and phi3 parity steps, more under load
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "SUMMARY gpu_check (rehearsal" in proc.stdout and ": PASS" in proc.stdout
 
