@@ -60,25 +60,30 @@ def test_the_tiny_qwen3_has_every_feature_switched_on(tiny_qwen3):
     assert runner.config.sliding_windows == [None, 8, 8] and runner.config.head_dim == 24
 
 
-@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
-def test_qwen3_prefill_and_decode_logits_match_transformers(tiny_qwen3, packed):
-    runner = ModelRunner(tiny_qwen3, pool_pages=256, **packed)
-    model = hf_model(tiny_qwen3)
-    prompt = (PROMPT * 2)[:24]  # past the window of 8
-    seq = Seq(runner, len(prompt) + 21)
+def assert_logits_follow_transformers(runner, model, prompt, decode_steps: int) -> None:
+    """The runner's logits equal transformers' (fp32 tolerance) on the prompt and on `decode_steps` greedy tokens."""
+    seq = Seq(runner, len(prompt) + decode_steps + 1)
     ours = runner.forward([seq.step(prompt)])[0]
     with torch.no_grad():
         out = model(torch.tensor([prompt]), use_cache=True)
     theirs, past = out.logits[0, -1], out.past_key_values
     assert theirs.abs().max() > 1.0
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
-    for _ in range(20):
+    for _ in range(decode_steps):
         tok = int(theirs.argmax())
         ours = runner.forward([seq.step([tok])])[0]
         with torch.no_grad():
             out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
         theirs, past = out.logits[0, -1], out.past_key_values
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
+def test_qwen3_prefill_and_decode_logits_match_transformers(tiny_qwen3, packed):
+    runner = ModelRunner(tiny_qwen3, pool_pages=256, **packed)
+    model = hf_model(tiny_qwen3)
+    prompt = (PROMPT * 2)[:24]  # past the window of 8
+    assert_logits_follow_transformers(runner, model, prompt, decode_steps=20)
 
 
 def test_qwen3_chunked_prefill_gives_the_same_logits(tiny_qwen3):
@@ -410,20 +415,7 @@ def test_phi3_logits_and_greedy_tokens_match_transformers(tiny_phi3, packed):
     runner = ModelRunner(tiny_phi3, pool_pages=256, **packed)
     model = hf_model(tiny_phi3)
     prompt = (PROMPT * 2)[:24]  # past the window
-    seq = Seq(runner, len(prompt) + 11)
-    ours = runner.forward([seq.step(prompt)])[0]
-    with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
-    theirs, past = out.logits[0, -1], out.past_key_values
-    assert theirs.abs().max() > 1.0
-    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
-    for _ in range(10):
-        tok = int(theirs.argmax())
-        ours = runner.forward([seq.step([tok])])[0]
-        with torch.no_grad():
-            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-        theirs, past = out.logits[0, -1], out.past_key_values
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert_logits_follow_transformers(runner, model, prompt, decode_steps=10)
     assert greedy(runner, PROMPT, 32) == hf_greedy(model, PROMPT, 32)
 
 
