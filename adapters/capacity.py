@@ -225,6 +225,7 @@ class CapacityPlan:
     """Every figure of one plan, in parameters and bytes (exact integers); see the module docstring."""
 
     base_name: str
+    family: str  # the base's model_type (protocol.lora_layout.FAMILIES): llama, qwen3, phi3, ...
     rank: int
     targets: tuple[str, ...]
     targets_label: str  # "attention-only", "all-linear" or the comma-joined list
@@ -323,6 +324,7 @@ def plan_capacity(
     max_resident = max(room_for_adapters, 0) // adapter_bytes
     return CapacityPlan(
         base_name=base_name,
+        family=str(manifest.get("architecture") or ""),
         rank=rank,
         targets=names,
         targets_label=label,

@@ -31,6 +31,7 @@ class AdapterCreateForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.tenant = tenant
         self.fields["base"].queryset = BaseModel.objects.usable_by(tenant)
+        self.fields["base"].label_from_instance = lambda base: f"{base.display_name} ({base.architecture})"
 
     def clean_name(self):
         name = self.cleaned_data["name"]
@@ -109,7 +110,8 @@ class CapacityForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.bases = BaseModel.objects.usable_by(tenant)
         choices = [(f"preset:{name}", name) for name in capacity.PRESET_NAMES]
-        choices += [(f"base:{b.slug}", f"{b.display_name} (registered)") for b in self.bases]
+        # the family (model_type) beside a registered base's name: which adapters fit it (Phi-3's name fused modules)
+        choices += [(f"base:{b.slug}", f"{b.display_name} (registered, {b.architecture})") for b in self.bases]
         self.fields["model"].choices = choices
         self.fields["model"].initial = choices[0][0]
 

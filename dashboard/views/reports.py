@@ -114,6 +114,7 @@ def si_bytes(n: int) -> str:
 
 def _capacity_figures(plan) -> list[tuple[str, str]]:
     return [
+        ("Model family (model_type)", plan.family),
         ("LoRA parameters per adapter", f"{plan.lora_params_per_adapter:,}"),
         ("Bytes per adapter", f"{plan.adapter_bytes:,} ({si_bytes(plan.adapter_bytes)})"),
         (f"Fleet bytes ({plan.num_adapters:,} adapters)", f"{plan.fleet_bytes:,} ({si_bytes(plan.fleet_bytes)})"),

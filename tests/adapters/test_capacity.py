@@ -273,3 +273,27 @@ def test_command_shows_the_concurrency_at_a_mean_length_beside_the_worst_case():
     assert data["plan"]["concurrent_sequences_at_mean"] == 218
     with pytest.raises(CommandError, match="at least one token"):
         _capacity(*args, "--mean-tokens", "0")
+
+
+# Phi-3-mini-4k-instruct's config.json (https://huggingface.co/microsoft/Phi-3-mini-4k-instruct), the fields read
+PHI3_MINI = {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+             "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.django_db
+def test_command_names_the_family_of_a_registered_base_and_plans_in_its_module_names():
+    from adapters.manifest import shape_manifest_from_config
+    from adapters.models import BaseModel
+
+    BaseModel.objects.create(slug="phi3-mini", display_name="Phi-3 mini", sha256="0" * 64, architecture="phi3",
+                             shape_manifest=shape_manifest_from_config(PHI3_MINI), queue_name="base.phi3-mini")
+    args = ("--base", "phi3-mini", "--rank", "8", "--targets", "attention-only", "--adapters", "10", "--gpu-gb", "40")
+    text = _capacity(*args)
+    assert text.startswith("Base phi3-mini (phi3, 32 layers, hidden 3072, 32 KV heads x 96)")
+    # qkv_proj: 8*(3072+9216)*32 = 3,145,728;  o_proj: 8*(3072+3072)*32 = 1,572,864
+    assert "qkv_proj   8*(3072+9216)*32 = 3,145,728" in text and "o_proj     8*(3072+3072)*32 = 1,572,864" in text
+    assert json.loads(_capacity(*args, "--json"))["plan"]["family"] == "phi3"
+    assert _capacity(*args, "--memory-gb", "16").startswith("Base phi3-mini (phi3)\nBudget ")
+    assert json.loads(_capacity("--preset", "qwen3-8b", "--rank", "8", "--adapters", "1", "--gpu-gb", "80",
+                                "--json"))["plan"]["family"] == "qwen3"

@@ -43,12 +43,12 @@ def test_a_tenant_that_may_not_use_bases_sees_none_on_the_capacity_page(client, 
     html = page(client, getattr(barred, user), "adapters:capacity")
     assert "llama-2-7b" in html  # the published presets stay: they are arithmetic, not a base on this platform
     assert "Secret 70B" not in html and "base:secret-70b" not in html
-    assert "base:tiny" not in html and "Tiny (registered)" not in html
+    assert "base:tiny" not in html and "Tiny (registered" not in html
 
 
 def test_a_tenant_that_may_use_bases_sees_them_all_on_the_capacity_page(client, barred):
     html = page(client, barred.charlie, "adapters:capacity")
-    assert "Secret 70B (registered)" in html and "Tiny (registered)" in html
+    assert "Secret 70B (registered, llama)" in html and "Tiny (registered, llama)" in html
 
 
 def test_asking_the_planner_for_a_base_the_tenant_may_not_use_is_a_form_error_like_a_missing_one(client, barred):
@@ -81,6 +81,33 @@ def test_allowing_the_tenant_again_lists_the_bases_again(client, barred):
     barred.acme.may_use_base = True
     barred.acme.save()
     html = page(client, barred.alice, "adapters:capacity")
-    assert "Secret 70B (registered)" in html and "Tiny (registered)" in html
+    assert "Secret 70B (registered, llama)" in html and "Tiny (registered, llama)" in html
     client.post(reverse("adapters:create"), {"name": "allowed", "base": BaseModel.objects.get(slug="secret-70b").pk})
     assert Adapter.objects.get(tenant=barred.acme, name="allowed").base.slug == "secret-70b"
+
+
+def test_every_listing_of_a_base_names_its_family(client, world):
+    """Which adapters fit a base depends on its family (a Phi-3's name qkv_proj, a Qwen3's q_proj is 4096 -> 4096 at
+    head_dim 128): the planner's choices and its plan, the new-adapter form, the adapter list and page all say it."""
+    from adapters.capacity import preset_manifest
+    from adapters.services import create_adapter
+
+    qwen = BaseModel.objects.create(slug="qwen3-8b", display_name="Qwen3 8B", sha256="2" * 64, architecture="qwen3",
+                                    shape_manifest=preset_manifest("qwen3-8b"), queue_name="base.qwen3-8b")
+    adapter = create_adapter(world.acme, "qwen-bot", qwen, created_by=world.alice)
+    html = page(client, world.alice, "adapters:capacity", model="base:qwen3-8b", rank=8, targets="attention-only",
+                dtype="bf16", kv_dtype="bf16", adapters=10, gpu_gb=80, context_len=4096)
+    assert ">Qwen3 8B (registered, qwen3)</option>" in html and ">Tiny (registered, llama)</option>" in html
+    assert '<h2>Qwen3 8B <span class="muted" id="plan-family">(qwen3)</span>, rank 8' in html
+    assert "<dt>Model family (model_type)</dt><dd>qwen3</dd>" in html
+    preset = page(client, world.alice, "adapters:capacity", model="preset:llama-3-8b", rank=8,
+                  targets="attention-only", dtype="bf16", kv_dtype="bf16", adapters=10, gpu_gb=80, context_len=4096)
+    assert "<dt>Model family (model_type)</dt><dd>llama</dd>" in preset  # a preset's family too
+
+    html = page(client, world.alice, "adapters:create")
+    assert f'<option value="{qwen.pk}">Qwen3 8B (qwen3)</option>' in html
+    html = page(client, world.alice, "adapters:list")
+    assert 'Qwen3 8B <span class="muted small base-family">qwen3</span>' in html
+    assert 'Tiny <span class="muted small base-family">llama</span>' in html  # support-bot
+    detail = client.get(reverse("adapters:detail", args=[adapter.pk])).content.decode()
+    assert 'on Qwen3 8B <span class="base-family">(qwen3)</span>' in detail

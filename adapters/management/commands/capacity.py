@@ -136,6 +136,7 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(out, indent=2))
             return
         if pool is not None:
+            self.stdout.write(f"Base {name} ({plan.family})")
             self._print_pool(pool)
             return
         self._print_plan(plan, manifest)
@@ -162,7 +163,7 @@ class Command(BaseCommand):
     def _print_plan(self, plan: CapacityPlan, manifest: dict) -> None:
         w = self.stdout.write
         w(
-            f"Base {plan.base_name} ({manifest['architecture']}, {manifest['num_layers']} layers, hidden "
+            f"Base {plan.base_name} ({plan.family}, {manifest['num_layers']} layers, hidden "
             f"{manifest['hidden_size']}, {manifest['num_key_value_heads']} KV heads x {manifest['head_dim']})"
         )
         w(
