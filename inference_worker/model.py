@@ -25,7 +25,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import GemmSide, StepArena, StepKernels, gemm_available, gemm_side_helps, paged_decode_attention, rope_kv_write
+from kernels import (
+    GemmSide,
+    StepArena,
+    StepKernels,
+    gemm_available,
+    gemm_side_helps,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rope_kv_write,
+)
 from kernels import gemm as native_gemm
 from kernels import gemm_lora as native_gemm_lora
 from kernels import gemm_pack as native_gemm_pack
@@ -287,8 +296,12 @@ class _Prefill:
     first: int  # index of its first token in the step's flat token list
     n: int  # tokens in this chunk
     rows: torch.Tensor | None  # int64 [start_pos + n], KV rows of positions 0..start_pos+n-1; None when the
-    # chunk is a whole prompt (start_pos 0): it attends to its own new keys, no gather
+    # chunk is a whole prompt (start_pos 0): it attends to its own new keys, no gather; or when it reads the pages
+    # in place (`paged`)
     masks: dict[int | None, torch.Tensor]  # window -> bool [1, 1, n, start_pos + n], True = may attend
+    start: int = 0  # positions of the sequence already in the cache
+    paged: torch.Tensor | None = None  # int64 [nb] the sequence's blocks, when the chunk attends on the pages in
+    # place (CPU fp32, a short chunk after cached positions: kernels.paged_prefill_attention)
 
 
 @dataclass
@@ -350,6 +363,11 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 # each key once per block of queries rather than once per query. The benches' prompts (64 tokens on the mid model,
 # 34-41 on SmolLM2) took an SDPA call per prompt and layer: ~0.2 ms each, several times their arithmetic.
 NATIVE_PROMPT_CONTEXT = 128
+
+# A prompt chunk of at most this many tokens after cached positions (a long prompt read a little a step beside
+# other tenants' decodes, issue 46) attends on the pages in place (kernels.paged_prefill_attention, CPU fp32): the
+# SDPA path first gathers the K/V of every earlier position, a copy as long as the context for every chunk.
+PAGED_PREFILL_TOKENS = 64
 
 
 # Below this many bytes of weights the runner leaves its memory's page size alone (the tiny test and fallback-demo
@@ -570,6 +588,15 @@ class Block:
             idx = ctx.decode.index
             out.index_copy_(0, idx, self._attend_decode(q.index_select(0, idx), ctx.decode, scale))
         for p in ctx.prefills:
+            if p.paged is not None:  # a short chunk deep in a prompt: read the pages in place, no gather
+                y = paged_prefill_attention(q[p.first:p.first + p.n], kv.pages(self.layer), p.paged, p.start,
+                                            kv_heads=cfg.num_kv_heads, window=self.window, scale=scale,
+                                            threads=torch.get_num_threads())
+                if y is not None:
+                    out[p.first:p.first + p.n] = y
+                    continue
+                p.rows = torch.tensor(kv.rows_for(p.paged.tolist(), 0, p.start + p.n), dtype=torch.int64,
+                                      device=q.device)
             if p.rows is None:  # a whole-prompt chunk: its keys are all in hand, no gather needed
                 k = k_new[p.first:p.first + p.n].transpose(0, 1)  # [KV, n, hd]
                 v = v_new[p.first:p.first + p.n].transpose(0, 1)
@@ -909,8 +936,10 @@ class ModelRunner:
         prefills = []
         for first, s in prefill_specs:
             n, L = len(s.token_ids), s.start_pos + len(s.token_ids)
-            rows = None  # a whole-prompt chunk attends to its own keys (Block.attend)
-            if s.start_pos:
+            rows = paged = None  # a whole-prompt chunk attends to its own keys (Block.attend)
+            if s.start_pos and self.native_attention and n <= PAGED_PREFILL_TOKENS:
+                paged = torch.tensor(s.block_table[:blocks_needed(L, bs)], dtype=torch.int64, device=dev)
+            elif s.start_pos:
                 rows = torch.tensor(self.kv.rows_for(s.block_table, 0, L), dtype=torch.int64, device=dev)
             k_pos = torch.arange(L, device=dev).unsqueeze(0)  # [1, L]
             q_pos = torch.arange(s.start_pos, L, device=dev).unsqueeze(1)  # [n, 1]
@@ -920,7 +949,7 @@ class ModelRunner:
                 if wdw is not None:
                     ok = ok & (k_pos > q_pos - wdw)
                 prefill_masks[wdw] = ok[None, None]  # [1, 1, n, L], 4-D for SDPA's fast path
-            prefills.append(_Prefill(first=first, n=n, rows=rows, masks=prefill_masks))
+            prefills.append(_Prefill(first=first, n=n, rows=rows, masks=prefill_masks, start=s.start_pos, paged=paged))
 
         lora = self.lora.mapping(slots) if self.lora is not None else None
         if self.lora is None and any(s >= 0 for s in slots):

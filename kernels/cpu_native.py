@@ -48,6 +48,13 @@ _ARGTYPES = (
     _i64, _i64, ctypes.c_int,  # d_in, d_out, threads
 )
 
+_PREFILL_ATTN_ARGTYPES = (
+    _i64, _p, _i64,  # n, q, q row stride
+    _p, _i64,  # the layer's pages, page stride (elements)
+    _p, _i64,  # the sequence's block table int64 [nb], start
+    _p, _i64,  # out, row stride
+    _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int,  # kv heads, g, hd, block size, window, scale, threads
+)
 _ATTN_ARGTYPES = (
     _i64, _p, _i64,  # B, q, q row stride
     _p, _i64,  # the layer's pages, page stride (elements)
@@ -169,6 +176,8 @@ def load() -> ctypes.CDLL | None:
             fn.restype = None
         lib.paged_decode_attention_f32.argtypes = _ATTN_ARGTYPES
         lib.paged_decode_attention_f32.restype = ctypes.c_int
+        lib.paged_prefill_attention_f32.argtypes = _PREFILL_ATTN_ARGTYPES
+        lib.paged_prefill_attention_f32.restype = ctypes.c_int
         lib.rms_norm_f32.argtypes = _RMS_ARGTYPES
         lib.rms_norm_f32.restype = None
         lib.rope_kv_write_f32.argtypes = _ROPE_ARGTYPES
@@ -214,6 +223,28 @@ def paged_decode_attention(q, pages, blocks, lens, *, kv_heads: int, window: int
         B, q.data_ptr(), q.stride(0), pages.data_ptr(), pages.stride(0), blocks.data_ptr(), blocks.shape[1],
         lens.data_ptr(), out.data_ptr(), out.stride(0), kv_heads, H // kv_heads, hd, bs, window or 0, scale,
         threads)
+    return out if rc == 0 else None
+
+
+def paged_prefill_attention(q, pages, blocks, start: int, *, kv_heads: int, window: int | None, scale: float,
+                            threads: int):
+    """Prompt-chunk attention read straight from the paged KV cache: q fp32 [n, H, hd], the chunk's n queries at
+    positions start..start+n-1 of one sequence (their keys already written), pages as for paged_decode_attention,
+    blocks int64 [nb] the sequence's pages -> [n, H * hd], causal (and windowed); None when the native library or
+    these shapes are not covered (the caller then gathers and uses SDPA)."""
+    import torch
+
+    lib = load()
+    n, H, hd = q.shape
+    if (lib is None or q.dtype != torch.float32 or pages.dtype != torch.float32 or q.device.type != "cpu"
+            or H % kv_heads or not pages.is_contiguous() or q.stride(2) != 1 or q.stride(1) != hd):
+        return None
+    blocks = blocks.contiguous()
+    out = torch.empty(n, H * hd, dtype=q.dtype)
+    bs = pages.shape[2] // hd
+    rc = lib.paged_prefill_attention_f32(
+        n, q.data_ptr(), q.stride(0), pages.data_ptr(), pages.stride(0), blocks.data_ptr(), start, out.data_ptr(),
+        out.stride(0), kv_heads, H // kv_heads, hd, bs, window or 0, scale, threads)
     return out if rc == 0 else None
 
 

@@ -552,6 +552,83 @@ int paged_decode_attention_f32(int64_t B, const float *q, int64_t sq, const floa
     return 0;
 }
 
+/* ---- prefill attention over the paged KV cache ---------------------------------------------------------
+ * A prompt chunk of n query tokens of one sequence, after `start` positions already in the cache (issue 46: a
+ * long prompt read a few tokens a step beside other tenants' decodes). Row i attends positions
+ * [max(0, start + i + 1 - window), start + i] (causal; its own key was written before the call). Without this the
+ * runner gathered the K/V of every earlier position into a contiguous copy each layer (advanced indexing, then a
+ * permute), which for a 4-token chunk at position 6,000 of SmolLM2 made a step cost 4.6x a lone decode step,
+ * against 1.5x for one more decode row at that context (2026-12-07, the 2-vCPU Zen 3 guest, loaded).
+ * One unit = (KV head, a tile of consecutive rows): the unit walks the pages once and, per page, runs each of its
+ * rows' g query heads over the page's rows that row may see (attn_block, the decode kernel's block: the page's
+ * K and V of that head stay in L1 across the tile's rows). Tiles are cut so that there are about two units a
+ * thread when the chunk is short, and so that a tile's accumulators fit on the stack. */
+typedef struct {
+    const float *q;          /* [n, KV * g, hd], row stride sq */
+    const float *pages;
+    const int64_t *blocks;   /* [nb] the sequence's page ids */
+    float *out;              /* [n, KV * g * hd], row stride so */
+    int64_t n, start, sq, so, page_stride, kv, g, hd, bs, window, tile, tiles;
+    float scale;
+} prefill_attn_args;
+
+#define PREFILL_MAX_STATES 512  /* rows x query heads of one tile */
+
+static void prefill_attn_unit(const void *args, int64_t unit) {
+    const prefill_attn_args *a = (const prefill_attn_args *)args;
+    const int64_t h = unit / a->tiles, r0 = (unit % a->tiles) * a->tile;
+    const int64_t r1 = min64(a->n, r0 + a->tile), g = a->g, hd = a->hd, bs = a->bs;
+    float m[PREFILL_MAX_STATES], l[PREFILL_MAX_STATES];
+    float acc[ATTN_MAX_ACC] __attribute__((aligned(64)));
+    for (int64_t j = 0; j < (r1 - r0) * g; j++) { m[j] = -3.0e38f; l[j] = 0.f; }
+    memset(acc, 0, (size_t)((r1 - r0) * g * hd) * sizeof(float));
+    const int64_t first_len = a->start + r0 + 1, last_len = a->start + r1;
+    const int64_t lowest = a->window > 0 && first_len > a->window ? first_len - a->window : 0;
+    for (int64_t t0 = lowest - lowest % bs; t0 < last_len; t0 += bs) {
+        const float *page = a->pages + a->blocks[t0 / bs] * a->page_stride;
+        const float *K = page + h * bs * hd, *V = page + (a->kv + h) * bs * hd;
+        const float *next = t0 + bs < last_len ? a->pages + a->blocks[t0 / bs + 1] * a->page_stride : NULL;
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t len = a->start + r + 1;
+            const int64_t from = a->window > 0 && len > a->window ? len - a->window : 0;
+            const int64_t lo = (from > t0 ? from : t0) - t0, hi = min64(len, t0 + bs) - t0;
+            if (hi <= lo) continue;
+            const int64_t j0 = (r - r0) * g;
+            attn_block(a->q + r * a->sq + h * g * hd, K, V, lo, hi, g, hd, a->scale, m + j0, l + j0, acc + j0 * hd,
+                       next && r == r0 ? next + h * bs * hd : NULL, next && r == r0 ? next + (a->kv + h) * bs * hd : NULL);
+        }
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        float *o = a->out + r * a->so + h * g * hd;
+        for (int64_t j = 0; j < g; j++) {
+            const int64_t s = (r - r0) * g + j;
+            const float inv = l[s] > 0.f ? 1.f / l[s] : 0.f;
+            #pragma omp simd
+            for (int64_t c = 0; c < hd; c++) o[j * hd + c] = acc[s * hd + c] * inv;
+        }
+    }
+}
+
+/* Returns 0, or -1 when the shapes are beyond the kernel's fixed bounds (the caller then gathers). */
+int paged_prefill_attention_f32(int64_t n, const float *q, int64_t sq, const float *pages, int64_t page_stride,
+                                const int64_t *blocks, int64_t start, float *out, int64_t so, int64_t kv, int64_t g,
+                                int64_t hd, int64_t bs, int64_t window, float scale, int nthreads) {
+    if (n < 1 || start < 0 || g < 1 || g > ATTN_MAX_G || hd < 1 || g * hd > ATTN_MAX_ACC || g > PREFILL_MAX_STATES
+        || bs < 1 || bs > ATTN_MAX_BS) return -1;
+    int64_t most = ATTN_MAX_ACC / (g * hd);
+    if (most * g > PREFILL_MAX_STATES) most = PREFILL_MAX_STATES / g;
+    const int64_t threads = nthreads > 1 ? nthreads : 1;
+    const int64_t want_tiles = (2 * threads + kv - 1) / kv;  /* about two units a thread */
+    int64_t tile = (n + want_tiles - 1) / want_tiles;
+    if (tile > most) tile = most;
+    if (tile < 1) tile = 1;
+    const int64_t tiles = (n + tile - 1) / tile;
+    prefill_attn_args a = {q, pages, blocks, out, n, start, sq, so, page_stride, kv, g, hd, bs, window, tile, tiles,
+                           scale};
+    parallel_for_team(prefill_attn_unit, &a, kv * tiles, nthreads);
+    return 0;
+}
+
 /* ---- RMSNorm -------------------------------------------------------------------------------------------
  * out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), fp32, in transformers' LlamaRMSNorm order (normalise,
  * then scale by the weight). torch ran it as six ops (pow, mean, add, rsqrt, mul, mul), each a pass over

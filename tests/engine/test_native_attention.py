@@ -123,3 +123,38 @@ def test_mixed_steps_and_a_decode_step_are_the_same_with_the_steps_kernels_or_wi
     assert on_kernel == [(3 * layers, 4 * layers), (0, 0)]  # every step but the long chunk's attended on the kernel
     for with_kernels, without in zip(*results, strict=True):
         torch.testing.assert_close(with_kernels, without, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("base,window", [("tiny_llama", None), ("tiny_mistral", None), ("tiny_llama", 20)])
+def test_short_chunks_deep_in_a_prompt_read_the_pages_in_place(base, window, request, monkeypatch):
+    """A long prompt read a few tokens a step (issue 46: beside other tenants' decodes) attends on its pages in place
+    (kernels.paged_prefill_attention) instead of gathering the K/V of every earlier position each layer: chunks of
+    2, 5, 17 and 64 tokens after more than NATIVE_PROMPT_CONTEXT cached positions, crossing page boundaries, beside
+    decode rows, give the logits of the gathering path, with full attention and with a sliding window."""
+    start = model.NATIVE_PROMPT_CONTEXT + 13
+    sizes = [2, 5, 17, model.PAGED_PREFILL_TOKENS]
+    total = start + sum(sizes)
+    prompt = [(11 * k + 5) % 300 + 1 for k in range(total)]
+    other = [(3 * k + 1) % 200 + 2 for k in range(9)]
+    results, calls_seen = [], []
+    for paged in (True, False):
+        monkeypatch.setattr(model, "PAGED_PREFILL_TOKENS", max(sizes) if paged else 0)
+        runner = ModelRunner(request.getfixturevalue(base), pool_pages=48, enable_lora=False)
+        if window is not None:
+            runner.config = dataclasses.replace(runner.config, sliding_windows=[window] * runner.config.num_layers)
+            for block in runner.blocks:
+                block.window = window
+        long_table, short_table = list(range(0, total // 16 + 1)), list(range(40, 42))
+        runner.forward([SeqStep(long_table, 0, prompt[:start]), SeqStep(short_table, 0, other)])
+        out, pos = [], start
+        with monkeypatch.context() as m:
+            calls = count_calls(m, model, "paged_prefill_attention", non_none=True)
+            for i, n in enumerate(sizes):
+                out.append(runner.forward([SeqStep(short_table, len(other) + i, [7 + i]),
+                                           SeqStep(long_table, pos, prompt[pos:pos + n])]))
+                pos += n
+        results.append(out)
+        calls_seen.append(len(calls))
+    assert calls_seen == [len(sizes) * runner.config.num_layers, 0]
+    for paged, gathered in zip(*results, strict=True):
+        torch.testing.assert_close(paged, gathered, rtol=1e-4, atol=1e-4)

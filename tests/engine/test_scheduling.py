@@ -209,23 +209,30 @@ def test_alone_a_long_prompt_is_read_in_whole_chunks(tiny_llama, adapters):
 def test_the_step_cost_model_learns_the_measured_costs():
     cost = StepCost()
     from inference_worker.step_cost import StepShape
-    truth = (0.004, 0.0005, 2e-8)
+    truth = (0.004, 0.0005, 2e-8, 1e-6)
+
+    def seconds(shape):
+        return truth[0] + truth[1] * shape.tokens + truth[2] * shape.attended + truth[3] * shape.read
+
     for i in range(300):
         shape = StepShape()
         for j in range(1 + i % 16):
             shape.add(start=40 * j + i % 7, n=1)
         if i % 3 == 0:
             shape.add(start=i * 37 % 4000, n=1 + i % 200)  # prompt chunks, some deep in a long prompt
-        cost.observe(shape, truth[0] + truth[1] * shape.tokens + truth[2] * shape.attended)
-    a, b, c = cost.theta
+        cost.observe(shape, seconds(shape))
+    a, b, c, d = cost.theta
     assert a == pytest.approx(truth[0], rel=0.05) and b == pytest.approx(truth[1], rel=0.05)
-    assert c == pytest.approx(truth[2], rel=0.2)
+    assert c == pytest.approx(truth[2], rel=0.2) and d == pytest.approx(truth[3], rel=0.2)
+    # a few tokens deep in a long prompt cost what reading its pages costs, not only their own attention
+    assert cost.added_seconds(6000, 4) == pytest.approx(4 * truth[1] + truth[2] * 4 * 6002.5 + truth[3] * 6004,
+                                                        rel=0.2)
     # it stays finite and keeps its fit however long the worker runs the same step
     same = StepShape()
     same.add(start=10, n=1)
     for _ in range(20000):
-        cost.observe(same, truth[0] + truth[1] + truth[2] * same.attended)
-    assert cost.predict(same) == pytest.approx(truth[0] + truth[1] + truth[2] * same.attended, rel=1e-3)
+        cost.observe(same, seconds(same))
+    assert cost.predict(same) == pytest.approx(seconds(same), rel=1e-3)
     assert all(abs(v) < 1 for v in cost.theta)
     frozen = StepCost(fixed=COST)
     assert frozen.prefill_bound(start=0, limit=100, allowance=0.0055) == 5
