@@ -1,6 +1,7 @@
 """Engine throughput on a fleet workload, side by side with Hugging Face and PEFT, in one run.
 
     .venv/bin/python bench/engine.py [--models tiny,mid] [--peft-requests 64] [--workdir /tmp/lorafleet-bench]
+    .venv/bin/python bench/engine.py --models mid --families llama,qwen3,phi3,gemma2,gemma3 [--repeats 2]
 
 Workload (DESIGN.md "Performance targets"): 64 concurrent requests, 64-token prompts, 64 new tokens each
 (EOS ignored so every system generates the same number of tokens), adapters drawn Zipf(1.1) over 100
@@ -21,6 +22,10 @@ prefill included, measured in this process on this machine:
                            the rate of the 64-row decode batch, each rate the fastest fp32 GEMM torch offers at each
                            of the model's weight shapes (F.linear, or oneDNN on pre-packed weights), measured before
                            each system; the run's fastest rates are used (load on the CPUs only slows a GEMM down)
+- families (--families)    base-only and mixed tok/s of the same shape built as each family's checkpoint (Qwen3,
+                           Phi-3, Gemma 2/3: adapters on the family's own module names), engines interleaved, over
+                           the Llama's of the same run (issue 48: goal >= 0.90x); a family the engine refuses is
+                           skipped with the refusal
 
 vLLM-CPU on the same workload, beside lorafleet, HF and PEFT: bench/peers.py (`make bench-peers`).
 
@@ -73,24 +78,30 @@ REPEATS = {"tiny": 5, "mid": 2}  # timed runs per system, best kept, the same co
 N_REQUESTS, PROMPT_LEN, NEW_TOKENS, N_ADAPTERS, RANK, ZIPF_S = 64, 64, 64, 100, 16, 1.1
 
 
-def build_model(workdir: Path, name: str) -> Path:
-    out = workdir / f"base-{name}"
+def build_model(workdir: Path, name: str, arch: str = "llama") -> Path:
+    """The `name` shape (MODELS) as a checkpoint of family `arch` (demo.tiny_base refuses one it cannot build)."""
+    out = workdir / (f"base-{name}" if arch == "llama" else f"base-{name}-{arch}")
     if not (out / "model.safetensors").exists():
-        build_tiny_base(out, arch="llama", seed=0, **MODELS[name])
+        build_tiny_base(out, arch=arch, seed=0, **MODELS[name])
     return out
 
 
-def build_adapters(workdir: Path, base: Path, name: str) -> list[Path]:
+def build_adapters(workdir: Path, base: Path, name: str, targets=ALL_TARGETS,
+                   only: set[int] | None = None) -> list[Path]:
+    """N_ADAPTERS folders (adapter i in dirs[i]); with `only`, just those adapters are written (the others' paths
+    are returned but stay empty)."""
     root = workdir / f"adapters-{name}"
     dirs = [root / f"a{i:03d}" for i in range(N_ADAPTERS)]
-    if all((d / "adapter_model.safetensors").exists() for d in dirs):
+    wanted = [i for i in range(N_ADAPTERS) if only is None or i in only]
+    if all((dirs[i] / "adapter_model.safetensors").exists() for i in wanted):
         return dirs
     shutil.rmtree(root, ignore_errors=True)
-    first = make_random_peft_adapter(base, dirs[0], r=RANK, alpha=32, target_modules=ALL_TARGETS, seed=0)
+    first = make_random_peft_adapter(base, dirs[0], r=RANK, alpha=32, target_modules=targets, seed=0)
     from safetensors.torch import load_file, save_file
 
     template = load_file(str(first / "adapter_model.safetensors"))
-    for i, d in enumerate(dirs[1:], start=1):
+    for i in [i for i in wanted if i > 0]:  # a000 is the template, written above
+        d = dirs[i]
         d.mkdir(parents=True)
         shutil.copy(first / "adapter_config.json", d / "adapter_config.json")
         g = torch.Generator().manual_seed(i)
@@ -201,11 +212,12 @@ def build_ranked_adapters(workdir: Path, base: Path, name: str, ranks=SMOL_RANKS
 class EngineRun:
     """One engine on the workload; several can be alive at once so their timed runs can alternate."""
 
-    def __init__(self, base: Path, prompts, adapter_of, refs, blobs, *, enable_lora: bool, adapters: int):
+    def __init__(self, base: Path, prompts, adapter_of, refs, blobs, *, enable_lora: bool, adapters: int,
+                 targets=ALL_TARGETS):
         kv_pages = N_REQUESTS * (PROMPT_LEN + NEW_TOKENS) // 16 + 64
         runner = ModelRunner(base, pool_pages=kv_pages + 1, max_lora_rank=RANK, enable_lora=enable_lora)
         if enable_lora:  # room for every distinct adapter of the workload beside the KV blocks
-            pages = kv_pages + adapters * runner.lora.pages_for(RANK, ALL_TARGETS)
+            pages = kv_pages + adapters * runner.lora.pages_for(RANK, list(targets))
             runner = ModelRunner(base, pool_pages=pages, max_lora_rank=RANK, enable_lora=True)
         self.engine = Engine(runner, blobs.__getitem__, max_running=N_REQUESTS, prefill_chunk=512).start()
         self.prompts, self.adapter_of, self.refs = prompts, adapter_of, refs
@@ -438,6 +450,88 @@ def bench_model(name: str, workdir: Path, peft_requests: int) -> dict:
     return r
 
 
+# --- Families (issue 48): the workload on one shape built as each family's checkpoint -----------------------------
+
+class FamilyRefused(Exception):
+    """demo.tiny_base cannot build the family, or the runner does not serve it (the message says which)."""
+
+
+def family_fleet(name: str, family: str, workdir: Path):
+    """The `name` shape (MODELS) as a `family` checkpoint, the workload's prompts and draws (the same for every family:
+    one vocabulary, one seed), and only the adapters the workload draws, on the family's own module names (PEFT's:
+    qkv_proj and gate_up_proj for Phi-3) as protocol.lora_layout lists them."""
+    from protocol.lora_layout import ModelShape
+
+    try:
+        base = build_model(workdir, name, family)
+    except ValueError as exc:
+        raise FamilyRefused(f"demo.tiny_base cannot build it ({exc})") from None
+    try:
+        cfg = ModelRunner(base, pool_pages=1, enable_lora=False).config
+    except ValueError as exc:
+        raise FamilyRefused(f"the engine does not serve it ({exc})") from None
+    targets = tuple(ModelShape.from_config(json.loads((base / "config.json").read_text())).peft_modules())
+    prompts, adapter_of = workload(cfg.vocab_size)
+    used = sorted(set(adapter_of))
+    dirs = build_adapters(workdir, base, f"{name}-{family}", targets, only=set(used))
+    blobs: dict[str, bytes] = {}
+    refs: list[AdapterRef | None] = [None] * N_ADAPTERS
+    for i in used:
+        blob = (dirs[i] / "adapter_model.safetensors").read_bytes()
+        blobs[f"a{i}"] = blob
+        refs[i] = AdapterRef(version_id=i, sha256=hashlib.sha256(blob).hexdigest(), storage_key=f"a{i}", rank=RANK,
+                             alpha=32.0, use_rslora=False, target_modules=list(targets))
+    return base, cfg, targets, blobs, refs, prompts, adapter_of
+
+
+def bench_families(name: str, families: list[str], workdir: Path, repeats: int | None = None) -> dict:
+    """Base-only and mixed tok/s of each family's engine on the same workload and shape, every engine's timed passes
+    interleaved (llama, qwen3, ..., llama, qwen3, ...: best of `repeats` each), and each family's figure over the
+    Llama's of this run. Goal (issue 48): >= 0.90, the family's extra ops (q/k norms, fused-module splitting,
+    soft-capping, ...) cost at most a tenth. A family the runner or demo.tiny_base refuses is skipped, named."""
+    families = ["llama"] + [f for f in dict.fromkeys(families) if f != "llama"]  # Llama is the reference
+    print(f"\n== {name} model {MODELS[name]} as each family: {', '.join(families)} ==", flush=True)
+    runs: dict[str, list[EngineRun]] = {}
+    out: dict = {"model": name, "families": {}, "skipped": {}}
+    for family in families:
+        try:
+            base, cfg, targets, blobs, refs, prompts, adapter_of = family_fleet(name, family, workdir)
+        except FamilyRefused as exc:
+            print(f"{family}: skipped, refused: {exc}", flush=True)
+            out["skipped"][family] = str(exc)
+            continue
+        distinct = len(set(adapter_of))
+        print(f"{family}: {cfg.architecture}, head_dim {cfg.head_dim}, adapters r={RANK} on {', '.join(targets)}; "
+              f"{distinct} distinct of {N_ADAPTERS} drawn", flush=True)
+        runs[family] = [EngineRun(base, prompts, lora, refs, blobs, enable_lora=True, adapters=distinct,
+                                  targets=targets) for lora in (None, adapter_of)]
+    if "llama" not in runs:
+        raise SystemExit("the Llama reference could not be built; no ratio can be given")
+    for k in range(repeats or REPEATS[name]):  # every engine once a round, in the same order: load tilts all alike
+        for family, pair in runs.items():
+            for label, run in zip(("base-only", "mixed"), pair, strict=True):
+                wall, _ = run.timed()
+                print(f"  pass {k + 1}: {family:8s} {label:9s} {N_REQUESTS * NEW_TOKENS / wall:8.1f} tok/s  (load "
+                      f"average {os.getloadavg()[0]:.1f})", flush=True)
+    reports = [run.report() for pair in runs.values() for run in pair]
+    for i, family in enumerate(runs):
+        base_r, mixed_r = reports[2 * i], reports[2 * i + 1]
+        out["families"][family] = {"base_tok_s": base_r["tok_s"], "mixed_tok_s": mixed_r["tok_s"],
+                                   "mean_batch": mixed_r["mean_batch"]}
+    ref = out["families"]["llama"]
+    print(f"{'family':8s} {'base-only tok/s':>16s} {'mixed tok/s':>12s} {'base vs llama':>14s} {'mixed vs llama':>15s}",
+          flush=True)
+    for family, f in out["families"].items():
+        f["base_vs_llama"], f["mixed_vs_llama"] = f["base_tok_s"] / ref["base_tok_s"], f["mixed_tok_s"] / ref["mixed_tok_s"]
+        verdict = "" if family == "llama" else (
+            "  (goal >= 0.90: " + ("met" if min(f["base_vs_llama"], f["mixed_vs_llama"]) >= 0.9 else "MISSED") + ")")
+        print(f"{family:8s} {f['base_tok_s']:16.1f} {f['mixed_tok_s']:12.1f} {f['base_vs_llama']:14.2f} "
+              f"{f['mixed_vs_llama']:15.2f}{verdict}", flush=True)
+    for r in reports:
+        r.pop("tokens")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,mid")
@@ -445,13 +539,18 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/lorafleet-bench")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--only", choices=["logprobs"], help="run one comparison only")
-    ap.add_argument("--repeats", type=int, help="timed passes per workload (--only logprobs)")
+    ap.add_argument("--repeats", type=int, help="timed passes per workload (--only logprobs, --families)")
+    ap.add_argument("--families", help="compare model families on each of --models instead: a comma list such as "
+                                       "llama,qwen3,phi3,gemma2,gemma3 (Llama, the reference, is always run); a family "
+                                       "the engine does not serve is skipped with the refusal")
     args = ap.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
           f"torch {torch.__version__}; load average at start {os.getloadavg()[0]:.1f}", flush=True)
-    if args.only == "logprobs":
+    if args.families:
+        out = [bench_families(m, args.families.split(","), workdir, args.repeats) for m in args.models.split(",")]
+    elif args.only == "logprobs":
         out = []
         for m in args.models.split(","):
             print(f"\n== {m} model {MODELS[m]}: fleet tok/s, 25% of requests asking for top_logprobs=5 ==", flush=True)
