@@ -64,6 +64,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,6 +149,10 @@ class Target:
     api_key: str
     base_model: str  # what `model` names for base-only requests
     adapters: list[str]  # what `model` names for fleet requests (the same names on both systems)
+    # lorafleet only: the audit log's mark (its newest row id) and, for the rows after a mark, the engine's own
+    # queue and first-token seconds — how much of the client's TTFT the engine spent, and how much the web path
+    audit_mark: Callable[[], int] | None = None
+    audit_since: Callable[[int], dict] | None = None
 
 
 @dataclass
@@ -157,6 +162,7 @@ class Pass:
     load: str  # "c32" (saturation) or "r1" (Poisson rate)
     max_tokens: int
     result: dict  # vllm bench serve's JSON
+    engine: dict | None = None  # lorafleet: the audit rows' engine-side seconds (Target.audit_since)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -172,6 +178,10 @@ class Pass:
                 f"{r['duration']:6.1f} s", f"{r['output_throughput']:7.1f} tok/s"]
         for metric in METRICS:
             cols.append(f"{metric.upper()} " + "/".join(f"{self.ms(metric, p):.0f}" for p in PERCENTILES))
+        if self.engine:
+            e = self.engine
+            cols.append(f"engine queue {e['queue_p50_ms']:.0f}/{e['queue_p95_ms']:.0f}, first token "
+                        f"{e['first_token_p50_ms']:.0f}/{e['first_token_p95_ms']:.0f} ms (p50/p95, {e['rows']} rows)")
         return "  ".join(cols)
 
 
@@ -227,8 +237,11 @@ def run_passes(python: Path, target: Target, args, model_dir: Path, dataset: Pat
     for max_tokens in args.max_tokens:
         for load in loads:
             for mode in ("base", "fleet"):
+                mark = target.audit_mark() if target.audit_mark else None
                 p = Pass(target.name, mode, load, max_tokens, bench_serve(python, target, mode=mode, load=load,
                                                                           max_tokens=max_tokens, **common))
+                if mark is not None and target.audit_since:
+                    p.engine = target.audit_since(mark)
                 log("  " + p.line() + f"  (load average {os.getloadavg()[0]:.1f})")
                 passes.append(p)
     return passes
@@ -307,7 +320,23 @@ class LorafleetStack:
                                          None), 60, "the worker's banner", (self.worker,))
         log(f"  lorafleet: worker up in {time.perf_counter() - t:.0f} s: {banner}")
         return Target("lorafleet", self.web_url, self.seed["keys"]["bench"], f"base/{self.seed['base']}",
-                      self.seed["fleet"])
+                      self.seed["fleet"], audit_mark=self.audit_mark, audit_since=self.audit_since)
+
+    def _query(self, sql: str, params=()) -> list:
+        from tests.e2e.conftest import _db_url, pg_connect
+
+        with pg_connect(_db_url(self.db_name)) as conn:
+            return conn.execute(sql, params).fetchall()
+
+    def audit_mark(self) -> int:
+        return int(self._query("SELECT coalesce(max(id), 0) FROM gateway_auditrecord")[0][0])
+
+    def audit_since(self, mark: int) -> dict:
+        rows = self._query("SELECT queue_seconds, first_token_seconds FROM gateway_auditrecord WHERE id > %s AND "
+                           "first_token_seconds IS NOT NULL", (mark,))
+        queue, first = [r[0] or 0.0 for r in rows], [r[1] for r in rows]
+        return {"rows": len(rows), "queue_p50_ms": pct(queue, 50) * 1e3, "queue_p95_ms": pct(queue, 95) * 1e3,
+                "first_token_p50_ms": pct(first, 50) * 1e3, "first_token_p95_ms": pct(first, 95) * 1e3}
 
     def worker_gauge(self, name: str) -> float:
         from tests.e2e.conftest import scrape_metric
