@@ -184,7 +184,8 @@ def bench_long(base: Path, tok, long_tokens: int = 6000) -> dict:
           f"{out['itl_p95_during_ms']:.1f} ms (p95 {out['itl_p95_ratio']:.2f}x, {len(during)} answers); the long "
           f"prompt's TTFT alone {alone['ttft']:.1f} s, beside the other tenant {under['ttft']:.1f} s; the worker's "
           f"fitted step cost {fitted['fixed_s'] * 1e3:.1f} ms + {fitted['per_token_s'] * 1e3:.2f} ms a token + "
-          f"{fitted['per_attended_s'] * 1e6:.2f} us an attended position", flush=True)
+          f"{fitted['per_attended_s'] * 1e6:.2f} us an attended position + {fitted.get('per_read_s', 0.0) * 1e6:.2f} us a "
+          f"cached position read", flush=True)
     return out
 
 
