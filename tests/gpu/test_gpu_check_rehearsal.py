@@ -13,7 +13,7 @@ import pytest
 from tests.support.gpu_check import run_check
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = ("kernels", "gpu_kernels", "parity", "parity_qwen3", "parity_phi3", "fleet")
+STEPS = ("kernels", "gpu_kernels", "parity", "parity_qwen3", "parity_phi3", "parity_gemma2", "parity_gemma3", "fleet")
 
 
 @pytest.mark.timeout(300)
