@@ -726,7 +726,7 @@ class GemmaBlock(Block):
         self.post_ff_norm = gemma_norm_weight(w["post_feedforward_layernorm.weight"])
         if self.qk_norm is not None:  # Gemma 3's q_norm / k_norm, repeated per head as Block does, by (1 + weight)
             self.qk_norm = gemma_norm_weight(self.qk_norm)
-        self.scale = float(cfg.query_pre_attn_scalar) ** -0.5  # transformers: config.query_pre_attn_scalar**-0.5
+        self.scale = float(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5  # transformers: config.query_pre_attn_scalar**-0.5
         self.softcap = cfg.attn_logit_softcapping
         self.local = cfg.local_rope is not None and cfg.sliding_layers[layer]  # this layer rotates with the local RoPE
 
