@@ -791,11 +791,16 @@ class GemmaBlock(Block):
         d = ctx.decode
         if d is not None:
             qd = q if d.index is None else q.index_select(0, d.index)
-            B = qd.shape[0]
-            k, v = kv.gather_blocks(self.layer, d.blocks)  # [KV, B, L, hd]
-            y = softcapped_attention(qd.view(B, KV, g, hd).transpose(0, 1), k, v, scale=self.scale, cap=cap,
-                                     mask=d.masks[self.window])  # [KV, B, g, hd]; mask [1, B, 1, L] or None
-            y = y.transpose(0, 1).reshape(B, H * hd)
+            B, L = qd.shape[0], d.blocks.shape[1] * kv.block_size
+            q4 = qd.view(B, KV, g, hd).transpose(0, 1)  # [KV, B, g, hd]
+            mask = d.masks[self.window]  # [1, B, 1, L] or None
+            chunk = B if q.is_cuda else max(1, (2 << 20) // (2 * KV * L * hd * q.element_size()))  # as _attend_decode
+            ys = []
+            for c in range(0, B, chunk):
+                k, v = kv.gather_blocks(self.layer, d.blocks[c:c + chunk])  # [KV, C, L, hd]
+                ys.append(softcapped_attention(q4[:, c:c + chunk], k, v, scale=self.scale, cap=cap,
+                                               mask=None if mask is None else mask[:, c:c + chunk]))  # [KV, C, g, hd]
+            y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)).transpose(0, 1).reshape(B, H * hd)
             if d.index is None:
                 return y
             out.index_copy_(0, d.index, y)
