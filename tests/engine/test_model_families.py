@@ -676,19 +676,19 @@ def test_gemma_prefill_and_decode_logits_and_greedy_tokens_match_transformers(re
     assert greedy(runner, PROMPT, 32) == theirs
 
 
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
 @pytest.mark.parametrize("arch", GEMMAS)
-def test_a_tied_gemma_head_is_its_embedding_table_unscaled(tmp_path, arch):
+def test_a_tied_gemma_head_is_its_embedding_table_unscaled(tmp_path, arch, packed):
     """Real Gemmas tie the head to the embedding table; the head multiplies by the table as stored (the sqrt(hidden)
-    scaling is the embedding lookup's only)."""
+    scaling is the embedding lookup's only), packed as a copy where the projections are packed."""
     from demo.tiny_gemma import build_tiny_gemma
 
     base = build_tiny_gemma(tmp_path / arch, arch=arch, seed=23, tie_embeddings=True,
                             layer_types=GEMMA3_LAYER_TYPES if arch == "gemma3" else None)
     model = hf_model(base)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    for packed in ({"packed_weights": False}, {}):
-        runner = ModelRunner(base, pool_pages=256, **packed)
-        assert_logits_follow_transformers(runner, model, (PROMPT * 2)[:24], decode_steps=8)
+    runner = ModelRunner(base, pool_pages=256, **packed)
+    assert_logits_follow_transformers(runner, model, (PROMPT * 2)[:24], decode_steps=8)
 
 
 @pytest.mark.parametrize("arch", GEMMAS)
