@@ -706,6 +706,11 @@ class Block:
         return y.transpose(0, 1).reshape(B, H * hd)
 
 
+# Gemma's soft-capped prefill attention on CPU: a prompt chunk's queries in blocks whose scores (fp32 [heads, rows,
+# context]) take at most this much, so a long prompt's attention needs no more memory than the workspace allows
+SOFTCAP_SCORES_BYTES = 8 << 20
+
+
 class GemmaBlock(Block):
     """A Gemma 2 / Gemma 3 decoder layer (Gemma2DecoderLayer, Gemma3DecoderLayer): RMSNorms by (1 + weight) before
     and after attention and before and after the MLP, per-head q/k norms by (1 + weight) before RoPE (Gemma 3),
@@ -809,10 +814,16 @@ class GemmaBlock(Block):
                 k, v = k_new[p.first:p.first + p.n].transpose(0, 1), v_new[p.first:p.first + p.n].transpose(0, 1)
             else:
                 k, v = kv.gather(self.layer, p.rows)  # [KV, L, hd]
-            qp = q[p.first:p.first + p.n].view(p.n, KV, g, hd).permute(1, 2, 0, 3)  # [KV, g, n, hd]
-            y = softcapped_attention(qp, k.unsqueeze(1), v.unsqueeze(1), scale=self.scale, cap=cap,
-                                     mask=p.masks[self.window])  # [KV, g, n, hd]; mask [1, 1, n, L]
-            out[p.first:p.first + p.n] = y.permute(2, 0, 1, 3).reshape(p.n, H * hd)
+            L, mask = k.shape[1], p.masks[self.window]  # mask [1, 1, n, L]
+            # on CPU the chunk's queries go in blocks whose fp32 scores stay within SOFTCAP_SCORES_BYTES (the
+            # workspace arithmetic, protocol.memory, counts no [H, n, L] scores); on CUDA the workspace is measured
+            rows = p.n if q.is_cuda else max(1, SOFTCAP_SCORES_BYTES // (H * L * 4))
+            for a in range(0, p.n, rows):
+                b = min(p.n, a + rows)
+                qp = q[p.first + a:p.first + b].view(b - a, KV, g, hd).permute(1, 2, 0, 3)  # [KV, g, rows, hd]
+                y = softcapped_attention(qp, k.unsqueeze(1), v.unsqueeze(1), scale=self.scale, cap=cap,
+                                         mask=mask[:, :, a:b])  # [KV, g, rows, hd]
+                out[p.first + a:p.first + b] = y.permute(2, 0, 1, 3).reshape(b - a, H * hd)
         return out
 
 

@@ -719,6 +719,22 @@ def test_gemma_chunked_prefill_then_decode_follows_transformers_across_the_windo
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
+def test_gemma2_soft_capped_prompt_attention_in_query_blocks_gives_transformers_logits(tiny_gemma2, monkeypatch):
+    """On CPU a long prompt's soft-capped attention goes in blocks of queries whose scores fit SOFTCAP_SCORES_BYTES;
+    with blocks of a few rows (a budget of 4000 bytes here) the logits are still transformers'."""
+    import inference_worker.model as model_module
+
+    monkeypatch.setattr(model_module, "SOFTCAP_SCORES_BYTES", 4000)  # 4 heads x 21-30 keys: blocks of 8-11 rows
+    runner = ModelRunner(tiny_gemma2, pool_pages=256)
+    model = hf_model(tiny_gemma2)
+    prompt = (PROMPT * 3)[:30]
+    with torch.no_grad():
+        every = model(torch.tensor([prompt])).logits[0]
+    seq = Seq(runner, 40)
+    torch.testing.assert_close(runner.forward([seq.step(prompt[:21])])[0], every[20], atol=1e-4, rtol=0)
+    torch.testing.assert_close(runner.forward([seq.step(prompt[21:])])[0], every[29], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("arch", GEMMAS)
 def test_gemmas_soft_capping_norms_window_and_scalar_each_change_the_logits(request, tmp_path, arch):
     """The parity tests above are not vacuous: with any one of the features changed in the config, transformers'
