@@ -842,6 +842,22 @@ def test_gemma3_config_in_transformers_v4_spelling_is_read_the_same(tiny_gemma3,
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("rope", [YARN[0], {"rope_type": "dynamic", "factor": 2.0}], ids=["yarn", "dynamic"])
+def test_gemma3_global_layers_take_any_served_rope_scaling_beside_the_local_base(tiny_gemma3, tmp_path, rope):
+    """The global layers' RoPE is any served type (here yarn, and dynamic NTK past a 32-position config), the sliding
+    layers' stays the default at their own base: transformers' logits token by token."""
+    path = tmp_path / "scaled"
+    shutil.copytree(tiny_gemma3, path)
+    full = {**rope, "rope_theta": 1e6}
+    _edit_config(path, max_position_embeddings=32 if rope["rope_type"] == "dynamic" else 512, rope_parameters={
+        "full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    runner = ModelRunner(path, pool_pages=256, enable_lora=False)
+    assert runner.config.rope_scaling["rope_type"] == rope["rope_type"] and runner.config.local_rope.theta == 1e4
+    model = hf_model(path)
+    assert model.model.rotary_emb.rope_type == {"full_attention": rope["rope_type"], "sliding_attention": "default"}
+    assert_logits_follow_transformers(runner, model, (PROMPT * 3)[:30], decode_steps=20)  # past 32 positions
+
+
 def test_gemma3_attention_soft_capping_is_not_applied_as_transformers_does_not(tiny_gemma3, tmp_path):
     """Gemma3TextConfig carries attn_logit_softcapping, but Gemma3Attention never applies it (Gemma 3's checkpoints
     leave it null): the runner follows transformers."""
