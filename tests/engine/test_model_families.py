@@ -4,7 +4,9 @@ Qwen3 on a tiny random checkpoint with every feature it has switched on: per-hea
 head_dim that is not hidden / heads (q_dim 96 beside hidden 64), GQA, sliding-window layers beside full ones. Base-only
 and a mixed batch of PEFT adapters (ranks 8-32, different targets, one rsLoRA) give PEFT's greedy tokens on every
 request, logits within fp32 tolerance, and the same tokens in a batch as alone. Then RoPE yarn and dynamic NTK against
-transformers, and what register_base, the upload validator and the capacity planner read of these bases.
+transformers, and what register_base, the upload validator and the capacity planner read of these bases. Phi-3 with
+its fused modules and LongRoPE; Gemma 2 and Gemma 3 (text) with every feature on (demo/tiny_gemma.py): the same checks,
+plus prefill in chunks across the sliding window, the tied head, Gemma 3's two RoPEs, and the named refusals.
 """
 import io
 import json
