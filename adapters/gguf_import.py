@@ -31,8 +31,10 @@ from .manifest import SUPPORTED_ARCHITECTURES
 
 MARKER = "gguf_import.json"
 # GGUF's general.architecture -> transformers' model_type, for those the runner serves. llama.cpp writes
-# Mistral checkpoints as "llama"; the newer "mistral" name is accepted too.
-SERVABLE_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+# Mistral checkpoints as "llama"; the newer "mistral" name is accepted too. A "gemma3" GGUF holds Gemma 3's text
+# decoder only (transformers reads it as gemma3_text).
+SERVABLE_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                               "gemma2": "gemma2", "gemma3": "gemma3_text"}
 if not set(SERVABLE_GGUF_ARCHITECTURES.values()) <= set(SUPPORTED_ARCHITECTURES):
     raise ImportError("SERVABLE_GGUF_ARCHITECTURES names an architecture the manifest does not support")
 
@@ -104,7 +106,22 @@ def check_servable(gguf_path: Path) -> str:
     model_type = SERVABLE_GGUF_ARCHITECTURES[arch]
     _check_head_dim(gguf_path, arch, model_type)
     _check_no_longrope(gguf_path, arch)
+    _check_gemma3_rope(gguf_path, arch)
     return model_type
+
+
+def _check_gemma3_rope(gguf_path: Path, arch: str) -> None:
+    """Refuse a Gemma 3 GGUF whose global RoPE scaling is not linear: gemma_config_from_gguf puts linear scaling (what
+    Gemma 3 ships) back into the config, transformers' reader drops any."""
+    if arch != "gemma3":
+        return
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_path)).fields.get(f"{arch}.rope.scaling.type")
+    kind = None if field is None else str(field.contents())
+    if kind not in (None, "none", "linear"):
+        raise GGUFImportError(f"{gguf_path.name}: Gemma 3 RoPE scaling {kind!r} cannot be read from GGUF (linear can); "
+                              "import the model's Hugging Face folder with register_base instead. Nothing was written.")
 
 
 def _check_no_longrope(gguf_path: Path, arch: str) -> None:
@@ -131,8 +148,8 @@ def _check_head_dim(gguf_path: Path, arch: str, model_type: str) -> None:
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    if "attention.key_length" in GGUF_CONFIG_MAPPING.get(model_type, {}):
-        return  # read as head_dim
+    if "attention.key_length" in GGUF_CONFIG_MAPPING.get(arch, GGUF_CONFIG_MAPPING.get(model_type, {})):
+        return  # read as head_dim (the mapping is by GGUF architecture: gemma3, read as gemma3_text)
     fields = GGUFReader(str(gguf_path)).fields
 
     def value(key: str) -> int | None:
@@ -236,10 +253,67 @@ def _convert(source: Path, out: Path, model_type: str, bar) -> tuple[int, str]:
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         cfg.pop(key, None)  # the folder holds plain fp32 weights, not a GGUF
     cfg.update(architectures=[type(model).__name__], dtype="float32")
+    if config.model_type in ("gemma2", "gemma3_text"):
+        cfg = gemma_config_from_gguf(source, cfg)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     model.generation_config.save_pretrained(str(out))
     bar.update(1)
     return num_parameters, config.model_type
+
+
+# llama.cpp's Gemma 27B models (by block count), whose query_pre_attn_scalar is hidden / heads, not head_dim
+_GEMMA_27B_BLOCKS = {"gemma2": 46, "gemma3": 62}
+
+
+def gemma_config_from_gguf(gguf_path: Path, cfg: dict) -> dict:
+    """The Gemma config.json values transformers' GGUF reader leaves at its defaults, put back from what llama.cpp
+    wrote (or, where it writes nothing, from what llama.cpp itself assumes), so the folder serves what llama.cpp
+    serves from the same file:
+    - attn_logit_softcapping and final_logit_softcapping from `{arch}.attn_logit_softcapping` /
+      `{arch}.final_logit_softcapping` (transformers keeps Gemma2Config's 50 and 30 whatever the file says);
+    - query_pre_attn_scalar, which GGUF does not carry: head_dim, or hidden / heads for the 27B models (46 blocks for
+      Gemma 2, 62 for Gemma 3), llama.cpp's rule (transformers would keep 256);
+    - Gemma 3: the global layers' RoPE scaling from `{arch}.rope.scaling.type` / `.factor` (linear x8 on the 4B-27B
+      models; transformers drops it), the sliding layers' base from `{arch}.rope.freq_base_swa` where written
+      (llama.cpp's default, like transformers', is 10,000), and the layers' kinds from
+      `{arch}.attention.sliding_window_pattern` where written (a period, or one flag per layer; else every 6th layer
+      is global, as both assume)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    arch = str(fields["general.architecture"].contents())
+
+    def value(key: str):
+        f = fields.get(f"{arch}.{key}")
+        return None if f is None else f.contents()
+
+    cfg = dict(cfg)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if value(key) is not None:
+            cfg[key] = float(value(key)) or None
+    hidden, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    cfg["query_pre_attn_scalar"] = hidden // heads if layers == _GEMMA_27B_BLOCKS.get(arch) else head_dim
+    if arch == "gemma3":
+        rope = {t: dict(p) for t, p in (cfg.get("rope_parameters") or {}).items()}
+        full, local = rope.setdefault("full_attention", {}), rope.setdefault("sliding_attention", {})
+        full.setdefault("rope_type", "default")
+        local.setdefault("rope_type", "default")
+        if value("rope.freq_base") is not None:
+            full["rope_theta"] = float(value("rope.freq_base"))
+        if value("rope.freq_base_swa") is not None:
+            local["rope_theta"] = float(value("rope.freq_base_swa"))
+        kind, factor = value("rope.scaling.type"), value("rope.scaling.factor")
+        if kind == "linear" and factor is not None and float(factor) != 1.0:  # other types: _check_gemma3_rope
+            full.update(rope_type="linear", factor=float(factor))
+        cfg["rope_parameters"] = rope
+        pattern = value("attention.sliding_window_pattern")
+        if isinstance(pattern, list) and len(pattern) == layers:  # llama.cpp's per-layer flags: True = sliding
+            cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        elif pattern is not None and not isinstance(pattern, list) and int(pattern) > 0:
+            cfg["layer_types"] = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                                  for i in range(layers)]
+    return cfg
 
 
 class _quiet_transformers:

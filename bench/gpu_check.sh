@@ -2,7 +2,7 @@
 # The GPU path, proven in one command (issue 16): Triton kernels compiled for the GPU against the float64
 # reference, the SGMV bench against HBM bandwidth, the bf16 runner and engine against transformers/PEFT,
 # and a fleet run against PEFT's generate — each step with its own log and JSON under $OUT, then
-# $OUT/summary.json and one verdict. Under 12 minutes on an H200.
+# $OUT/summary.json and one verdict. Under 12 minutes on an H200 before the two Gemma steps (not yet timed there).
 #
 #   bash bench/gpu_check.sh                    # on the GPU machine: python3 from PATH (or $PYTHON)
 #   bash bench/gpu_check.sh --cpu-rehearsal    # here, on CPU: the same steps on tiny shapes, with the
@@ -10,9 +10,12 @@
 #   make gpu-check                             # the first
 #
 # Options: --strict-goals (a missed performance goal fails the run too), --only STEP[,STEP] (kernels,
-# gpu_kernels, parity, parity_qwen3, parity_phi3, fleet). parity_qwen3 is parity on a Qwen3 (q/k norms, head_dim
-# 128 beside Qwen3-8B's hidden, GQA; tiny: head_dim 24), parity_phi3 on a Phi-3 (fused qkv_proj and gate_up_proj in
-# the checkpoint and in the PEFT adapters; Llama-2-7B's shapes). Environment: OUT (default var/gpu_check), PYTHON, LORAFLEET_GPU_WORK
+# gpu_kernels, parity, parity_qwen3, parity_phi3, parity_gemma2, parity_gemma3, fleet). parity_qwen3 is parity on a
+# Qwen3 (q/k norms, head_dim 128 beside Qwen3-8B's hidden, GQA; tiny: head_dim 24), parity_phi3 on a Phi-3 (fused
+# qkv_proj and gate_up_proj in the checkpoint and in the PEFT adapters; Llama-2-7B's shapes), parity_gemma2 and
+# parity_gemma3 on Gemma-2-9B- and Gemma-3-4B-shaped layers with every Gemma feature on (soft-capping, sliding layers
+# with a window shorter than the prompts, query_pre_attn_scalar, Gemma 3's q/k norms and two RoPE bases; the runner's
+# torch path for Gemma's small ops and its soft-capped attention; bench/gpu/models.py GEMMA_SHAPES). Environment: OUT (default var/gpu_check), PYTHON, LORAFLEET_GPU_WORK
 # (scratch for models and adapters; default a fresh folder under /tmp, removed at the end).
 # Runs from the source tree (PYTHONPATH = the repository root); needs torch, triton, transformers, peft,
 # safetensors, tokenizers and numpy — no Django, no database, no network. Every step runs even when an
@@ -60,7 +63,7 @@ if [ -z "${TRITON_CACHE_DIR:-}" ] && ! { mkdir -p "${HOME:-/nonexistent}/.triton
 fi
 cd "$REPO"
 
-rm -f "$OUT"/{kernels,gpu_kernels,parity,parity_qwen3,parity_phi3,fleet,summary}.{json,log} "$OUT/steps.tsv" "$OUT/machine.txt"
+rm -f "$OUT"/{kernels,gpu_kernels,parity,parity_qwen3,parity_phi3,parity_gemma2,parity_gemma3,fleet,summary}.{json,log} "$OUT/steps.tsv" "$OUT/machine.txt"
 {
     echo "mode: $MODE"; date; uname -a; "$PYTHON" --version
     "$PYTHON" -c 'import torch, triton, transformers, peft; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())' 2>&1
@@ -102,15 +105,20 @@ if [ "$MODE" = rehearsal ]; then
     step parity 120 0 "$PYTHON" bench/gpu/check_parity.py --rehearsal "${COMMON[@]}"
     step parity_qwen3 120 0 "$PYTHON" bench/gpu/check_parity.py --rehearsal --arch qwen3 "${COMMON[@]}"
     step parity_phi3 120 0 "$PYTHON" bench/gpu/check_parity.py --rehearsal --arch phi3 "${COMMON[@]}"
+    step parity_gemma2 120 0 "$PYTHON" bench/gpu/check_parity.py --rehearsal --arch gemma2 "${COMMON[@]}"
+    step parity_gemma3 120 0 "$PYTHON" bench/gpu/check_parity.py --rehearsal --arch gemma3 "${COMMON[@]}"
     step fleet 120 0 "$PYTHON" bench/gpu/check_fleet.py --rehearsal "${COMMON[@]}"
 else
-    # Step limits add up to 12 minutes at the very worst (120 + 80 + 135 + 120 + 120 + 145 s); a sound run is shorter.
+    # Step limits add up to 16 minutes at the very worst (120 + 80 + 135 + 120 + 120 + 120 + 120 + 145 s); a sound run
+    # is shorter. --only picks steps (e.g. --only parity_gemma2,parity_gemma3 where device time is short).
     # The kernels step compiles every Triton variant first (later steps find them in Triton's cache).
     step kernels 120 0 "$PYTHON" bench/gpu/check_kernels.py "${COMMON[@]}"
     step gpu_kernels 80 0 "$PYTHON" bench/gpu_kernels.py --out "$OUT"
     step parity 135 0 "$PYTHON" bench/gpu/check_parity.py "${COMMON[@]}"
     step parity_qwen3 120 0 "$PYTHON" bench/gpu/check_parity.py --arch qwen3 "${COMMON[@]}"
     step parity_phi3 120 0 "$PYTHON" bench/gpu/check_parity.py --arch phi3 "${COMMON[@]}"
+    step parity_gemma2 120 0 "$PYTHON" bench/gpu/check_parity.py --arch gemma2 "${COMMON[@]}"
+    step parity_gemma3 120 0 "$PYTHON" bench/gpu/check_parity.py --arch gemma3 "${COMMON[@]}"
     step fleet 145 0 "$PYTHON" bench/gpu/check_fleet.py "${COMMON[@]}"
 fi
 

@@ -5,9 +5,16 @@ serving.py answers the completion routes' own failures; this catches what escape
 `database_unavailable` with Retry-After, which OpenAI clients retry, a body over the web's limit a 413
 `request_too_large`, and anything else a JSON 500 `internal_error` — never Django's HTML error page,
 which an API client cannot parse.
+
+It also lets go of a /v1/ request's body once the answer is made (`release_body`): the request object
+outlives its answer, because DRF's request and view refer to each other, and a cycle waits for the
+cyclic garbage collector's next full pass, which can be minutes away in a process holding millions of
+objects. Measured (issue 47): 60 concurrent 2 MB bodies left 270 MB of bodies alive after the wave, and
+the web's RSS grew by ~80 MB a wave until such a pass.
 """
 from __future__ import annotations
 
+import io
 import logging
 
 from django.conf import settings
@@ -25,7 +32,10 @@ class ApiErrorsMiddleware:
         self.get_response = get_response
 
     def __call__(self, request):
-        return self.get_response(request)
+        response = self.get_response(request)
+        if request.path.startswith("/v1/"):
+            release_body(request)
+        return response
 
     def process_exception(self, request, exception):
         if not request.path.startswith("/v1/"):
@@ -37,6 +47,14 @@ class ApiErrorsMiddleware:
             return request_too_large(settings.DATA_UPLOAD_MAX_MEMORY_SIZE).response()
         log.error("internal error on %s", request.path, exc_info=exception)
         return internal_error().response()
+
+
+def release_body(request) -> None:
+    """Drop the body Django cached on `request` (HttpRequest.body keeps it in `_body`, and again in the
+    stream it puts back for read()), so that it is freed now rather than with the request object."""
+    if "_body" in request.__dict__:
+        request._body = b""
+        request._stream = io.BytesIO()
 
 
 class LoginThrottleMiddleware:

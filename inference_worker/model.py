@@ -1,5 +1,5 @@
-"""The model runner: a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3/Phi-4: protocol.lora_layout.FAMILIES)
-over a paged KV cache, with LoRA.
+"""The model runner: a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3/Phi-4, Gemma 2 and Gemma 3's text
+decoder: protocol.lora_layout.FAMILIES) over a paged KV cache, with LoRA.
 
 One `forward(steps)` runs one engine iteration: any mix of prefill chunks and decode tokens, of any
 adapters, as one batch. Every projection is one GEMM over all tokens of the step (q/k/v and gate/up are
@@ -11,6 +11,10 @@ chunk is already a big matrix, and prefill is rarer than decode). On CPU in fp32
 GEMMs (RMSNorm, RoPE with the KV write, decode attention, SwiGLU's gate) go through one `kernels.StepKernels` per
 step: buffers and shapes set up once for all layers, each call one ctypes call on integers.
 
+Gemma (GemmaBlock) takes torch for those small ops (its (1 + weight) norms, gelu-tanh gate and soft-capped scores are
+not in the native kernels), and a plain softmax attention, scores soft-capped, on its soft-capped layers (SDPA cannot
+soft-cap); its GEMMs and LoRA terms are the same as every family's.
+
 nanoGPT shape: a config dataclass, one block class, one model class; weights read straight from the
 checkpoint's *.safetensors with Hugging Face's tensor names. Django-free.
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -48,7 +52,7 @@ from protocol.memory import (
     split_budget,
     workspace_bytes,
 )
-from protocol.rope import SERVED_ROPE_TYPES, RopeSpec, rope_from_config
+from protocol.rope import SERVED_ROPE_TYPES, RopeSpec, local_rope_from_config, rope_from_config
 
 from .huge_pages import Collapse, collapse_resident_memory
 from .kv_cache import PagedKVCache, blocks_needed
@@ -84,6 +88,13 @@ class ModelConfig:
     pad_token_id: int | None = None
     family: Family = FAMILIES["llama"]
     rope: RopeSpec | None = None
+    # Gemma (protocol.lora_layout.Family.gemma); None / defaults elsewhere
+    query_pre_attn_scalar: float | None = None  # scores scaled by its ** -0.5 instead of head_dim's
+    attn_logit_softcapping: float | None = None  # scores -> tanh(scores / c) * c before the mask (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits
+    gelu_approximate: str = "tanh"  # the GeGLU gate: F.gelu(approximate=...), from hidden_activation
+    sliding_layers: list[bool] = field(default_factory=list)  # per layer: a sliding-window layer (Gemma's layer_types)
+    local_rope: RopeSpec | None = None  # the sliding layers' own RoPE (Gemma 3), None: every layer rotates with `rope`
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -97,8 +108,21 @@ class ModelConfig:
         rope_scaling = None if rope.rope_type == "default" else {**rope.params, "rope_type": rope.rope_type}
 
         window = cfg.get("sliding_window")
+        sliding = [False] * layers
         if family.sliding_windows == "all":
             windows = [window] * layers
+        elif family.sliding_windows == "pattern":  # Gemma: layer_types, else every window_pattern-th layer is global
+            window = cfg["sliding_window"] if "sliding_window" in cfg else 4096  # Gemma2Config / Gemma3TextConfig's
+            pattern = family.window_pattern
+            if family.local_rope:  # Gemma3TextConfig reads an older config's sliding_window_pattern (Gemma2's does not)
+                pattern = int(cfg.get("sliding_window_pattern") or pattern)
+            types = cfg.get("layer_types") or [
+                "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+            if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+                raise ValueError(f"layer_types must name sliding_attention or full_attention for each of the {layers} "
+                                 f"layers, not {types!r}")
+            sliding = [t == "sliding_attention" for t in types]
+            windows = [window if s else None for s in sliding]
         elif family.sliding_windows == "per_layer" and cfg.get("use_sliding_window") and window:
             types = cfg.get("layer_types") or [
                 "sliding_attention" if i >= cfg.get("max_window_layers", layers) else "full_attention"
@@ -106,6 +130,8 @@ class ModelConfig:
             windows = [window if t == "sliding_attention" else None for t in types]
         else:
             windows = [None] * layers
+
+        gemma = _gemma_fields(cfg, family) if family.gemma else {}
 
         eos = _as_list(cfg.get("eos_token_id"))
         gen_path = path / "generation_config.json"
@@ -132,7 +158,36 @@ class ModelConfig:
             pad_token_id=cfg.get("pad_token_id"),
             family=family,
             rope=rope,
+            sliding_layers=sliding,
+            **gemma,
         )
+
+
+# hidden_activation -> F.gelu's approximate: transformers' ACT2FN["gelu_pytorch_tanh"] is F.gelu(approximate="tanh"),
+# ACT2FN["gelu"] the exact one; Gemma 2 and 3 ship gelu_pytorch_tanh
+GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+def _gemma_fields(cfg: dict, family: Family) -> dict:
+    """The ModelConfig fields of a Gemma config (transformers' Gemma2Config / Gemma3TextConfig defaults where the
+    config is silent), or ValueError naming what is not served."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True (an encoder, such as EmbeddingGemma) is not served: "
+                         "lorafleet's runner generates, causally")
+    if cfg.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported for Gemma")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GEMMA_ACTIVATIONS:
+        raise ValueError(f"hidden_activation {act!r} is not supported for {family.model_type}; supported: "
+                         f"{', '.join(GEMMA_ACTIVATIONS)}")
+    defaults = {"gemma2": (50.0, 30.0)}.get(family.model_type, (None, None))  # attn, final soft-capping
+    attn_cap = cfg["attn_logit_softcapping"] if "attn_logit_softcapping" in cfg else defaults[0]
+    final_cap = cfg["final_logit_softcapping"] if "final_logit_softcapping" in cfg else defaults[1]
+    return dict(query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+                attn_logit_softcapping=float(attn_cap) if attn_cap and family.attn_softcap else None,
+                final_logit_softcapping=float(final_cap) if final_cap else None,
+                gelu_approximate=GEMMA_ACTIVATIONS[act],
+                local_rope=local_rope_from_config(cfg) if family.local_rope else None)
 
 
 def _as_list(value) -> list[int]:
@@ -250,6 +305,15 @@ def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return emb.cos() * scale, torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scale
 
 
+def local_rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rope_tables of the sliding layers' own RoPE (Gemma 3's rope_local_base_freq), or None where they have none."""
+    local = config.local_rope
+    if local is None:
+        return None
+    scaling = None if local.rope_type == "default" else {**local.params, "rope_type": local.rope_type}
+    return rope_tables(replace(config, rope_theta=local.theta, rope_scaling=scaling, rope=local))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back, like transformers' LlamaRMSNorm. On CPU in fp32 one native pass
     (kernels.rms_norm) instead of six torch ops."""
@@ -260,6 +324,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm as transformers computes it (Gemma2RMSNorm, Gemma3RMSNorm): in fp32, times (1 + weight) in fp32,
+    then cast back. weight_plus_one: 1 + the checkpoint's weight, fp32 (gemma_norm_weight), broadcast over x's last
+    dim (or [heads, hd] for the per-head q/k norms)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(x.dtype)
+
+
+def gemma_norm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """1 + weight in fp32, what Gemma's RMSNorm multiplies by ((1.0 + self.weight.float()) in transformers)."""
+    return 1.0 + weight.float()
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """tanh(x / cap) * cap, in x's dtype: Gemma's attention and final logit soft-capping, op for op."""
+    return torch.tanh(x / cap) * cap
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, cap: float,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(tanh(q k^T scale / cap) cap + mask) v, as transformers' eager attention computes it for Gemma 2 (SDPA
+    cannot soft-cap): the softmax in fp32, cast back before v. q [..., n, hd], k and v [..., L, hd] (broadcast over
+    the leading dims), mask bool (True: may attend) or additive, broadcast to [..., n, L]."""
+    scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -350,6 +443,7 @@ class StepContext:
     native: StepKernels | None = None  # CPU fp32: the layers' small ops on buffers allocated once for the step
     sides: StepSides | None = None  # what the native GEMMs prefetch for the calls after them
     fuse_lora: bool = False  # a decode step: the LoRA term runs inside the native GEMMs (Projection.with_lora)
+    local_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of the sliding layers' own RoPE (Gemma 3)
 
 
 def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -493,6 +587,7 @@ class Block:
         self.gate_up = Projection(w_gate_up.contiguous(), pack_rows=pack, native=native)  # [2 intermediate, hidden]
         self.down = Projection(w["mlp.down_proj.weight"], pack_rows=pack, native=native)  # [hidden, intermediate]
         self.window = cfg.sliding_windows[layer]
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)  # the attention scores' (GemmaBlock: query_pre_attn_scalar's)
         # Qwen3: q and k normalised per head before RoPE, one weight [head_dim] each, repeated here to [H + KV, hd]
         # so both go in one pass over the q and k columns of the fused output
         self.qk_norm: torch.Tensor | None = None
@@ -579,7 +674,7 @@ class Block:
         cfg = self.cfg
         T, H, hd = q.shape
         g = cfg.num_heads // cfg.num_kv_heads
-        scale = 1.0 / math.sqrt(hd)
+        scale = self.scale
         kv = self.runner.kv
         if ctx.decode is not None and ctx.decode.index is None:  # index is None: the whole step is decode
             return self._attend_decode(q, ctx.decode, scale)
@@ -636,6 +731,128 @@ class Block:
                                                      scale=scale))  # [KV, C, g, hd]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [KV, B, g, hd]
         return y.transpose(0, 1).reshape(B, H * hd)
+
+
+# Gemma's soft-capped prefill attention on CPU: a prompt chunk's queries in blocks whose scores (fp32 [heads, rows,
+# context]) take at most this much, so a long prompt's attention needs no more memory than the workspace allows
+SOFTCAP_SCORES_BYTES = 8 << 20
+
+
+class GemmaBlock(Block):
+    """A Gemma 2 / Gemma 3 decoder layer (Gemma2DecoderLayer, Gemma3DecoderLayer): RMSNorms by (1 + weight) before
+    and after attention and before and after the MLP, per-head q/k norms by (1 + weight) before RoPE (Gemma 3),
+    scores scaled by query_pre_attn_scalar ** -0.5 and soft-capped where the config says (Gemma 2), GeGLU (the gate
+    through gelu-tanh). Sliding layers attend to the last sliding_window positions and, in Gemma 3, rotate with their
+    own RoPE (ctx.local_rope). The projections and their LoRA terms are Block's; the small ops between them are
+    torch's (the native step kernels know neither (1 + weight) nor soft-capping): the runner builds no StepKernels
+    and no fused LoRA GEMMs for Gemma. Decode attention on the layers that are not soft-capped is Block's (the
+    native paged kernel on CPU in fp32, SDPA elsewhere), prefill attention too (SDPA); soft-capped layers take
+    softcapped_attention for both."""
+
+    def __init__(self, runner: ModelRunner, layer: int, w: dict[str, torch.Tensor]) -> None:
+        super().__init__(runner, layer, w)
+        cfg = runner.config
+        self.input_norm = gemma_norm_weight(self.input_norm)
+        self.post_norm = gemma_norm_weight(self.post_norm)  # post_attention_layernorm: after attention in Gemma
+        self.pre_ff_norm = gemma_norm_weight(w["pre_feedforward_layernorm.weight"])
+        self.post_ff_norm = gemma_norm_weight(w["post_feedforward_layernorm.weight"])
+        if self.qk_norm is not None:  # Gemma 3's q_norm / k_norm, repeated per head as Block does, by (1 + weight)
+            self.qk_norm = gemma_norm_weight(self.qk_norm)
+        self.scale = float(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5  # transformers: config.query_pre_attn_scalar**-0.5
+        self.softcap = cfg.attn_logit_softcapping
+        self.local = cfg.local_rope is not None and cfg.sliding_layers[layer]  # this layer rotates with the local RoPE
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        cfg, lora, layer, eps = self.cfg, ctx.lora, self.layer, self.cfg.rms_norm_eps
+        T = x.shape[0]
+        side = ctx.sides.at if ctx.sides is not None else _no_side
+        # --- attention ---
+        h = gemma_rms_norm(x, self.input_norm, eps)
+        q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
+        qkv = self.qkv(h, side(layer, "qkv"))  # [T, q_dim + 2 kv_dim]
+        if lora is not None:
+            lora.add(qkv[:, :q_end], h, layer, "q_proj")
+            lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
+            lora.add(qkv[:, k_end:], h, layer, "v_proj")
+        heads = cfg.num_heads + cfg.num_kv_heads
+        if self.qk_norm is not None:  # after the projections and their LoRA terms, as PEFT wraps q_proj / k_proj
+            qk_heads = qkv[:, :k_end].view(T, heads, cfg.head_dim)
+            qk_heads.copy_(gemma_rms_norm(qk_heads, self.qk_norm, eps))
+        cos, sin = ctx.local_rope if self.local and ctx.local_rope is not None else (ctx.cos, ctx.sin)
+        kv = self.runner.kv
+        qk = None
+        if self.runner.native_attention:  # CPU fp32: RoPE and the KV write in one native pass (no norm in it)
+            qk = rope_kv_write(qkv, cos, sin, kv.pages(layer), ctx.write_rows, heads=cfg.num_heads,
+                               kv_heads=cfg.num_kv_heads, block_size=kv.block_size, threads=torch.get_num_threads())
+        if qk is None:
+            qk = apply_rope(qkv[:, :k_end].view(T, heads, cfg.head_dim), cos, sin)
+            kv.write(layer, ctx.write_rows, qk[:, cfg.num_heads:], qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim))
+        v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)
+        y = self.attend(qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], v, ctx)  # [T, q_dim]
+        o = self.o(y, side(layer, "o"))
+        if lora is not None:
+            lora.add(o, y, layer, "o_proj")
+        x = x + gemma_rms_norm(o, self.post_norm, eps)
+        # --- MLP: GeGLU ---
+        h = gemma_rms_norm(x, self.pre_ff_norm, eps)
+        inter = cfg.intermediate_size
+        gu = self.gate_up(h, side(layer, "gate_up"))  # [T, 2 * intermediate]
+        if lora is not None:
+            lora.add(gu[:, :inter], h, layer, "gate_proj")
+            lora.add(gu[:, inter:], h, layer, "up_proj")
+        a = F.gelu(gu[:, :inter], approximate=cfg.gelu_approximate).mul_(gu[:, inter:])
+        d = self.down(a, side(layer, "down"))
+        if lora is not None:
+            lora.add(d, a, layer, "down_proj")
+        return x + gemma_rms_norm(d, self.post_ff_norm, eps)
+
+    def attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if self.softcap is None:
+            return super().attend(q, k_new, v_new, ctx)
+        return self._attend_softcapped(q, k_new, v_new, ctx)
+
+    def _attend_softcapped(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                           ctx: StepContext) -> torch.Tensor:
+        """Block.attend's batching (the decode tokens together over their gathered blocks, each prefill chunk alone)
+        with softcapped_attention in place of SDPA. GQA without repeating K/V: the g query heads of a KV head are a
+        dimension of their own ([KV, ..., g, hd] against [KV, ..., L, hd])."""
+        cfg, kv, cap = self.cfg, self.runner.kv, float(self.softcap or 0.0)
+        T, H, hd = q.shape
+        KV, g = cfg.num_kv_heads, H // cfg.num_kv_heads
+        out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
+        d = ctx.decode
+        if d is not None:
+            qd = q if d.index is None else q.index_select(0, d.index)
+            B, L = qd.shape[0], d.blocks.shape[1] * kv.block_size
+            q4 = qd.view(B, KV, g, hd).transpose(0, 1)  # [KV, B, g, hd]
+            mask = d.masks[self.window]  # [1, B, 1, L] or None
+            chunk = B if q.is_cuda else max(1, (2 << 20) // (2 * KV * L * hd * q.element_size()))  # as _attend_decode
+            ys = []
+            for c in range(0, B, chunk):
+                k, v = kv.gather_blocks(self.layer, d.blocks[c:c + chunk])  # [KV, C, L, hd]
+                ys.append(softcapped_attention(q4[:, c:c + chunk], k, v, scale=self.scale, cap=cap,
+                                               mask=None if mask is None else mask[:, c:c + chunk]))  # [KV, C, g, hd]
+            y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)).transpose(0, 1).reshape(B, H * hd)
+            if d.index is None:
+                return y
+            out.index_copy_(0, d.index, y)
+        for p in ctx.prefills:
+            if p.rows is None:  # a whole-prompt chunk: its keys are all in hand
+                k, v = k_new[p.first:p.first + p.n].transpose(0, 1), v_new[p.first:p.first + p.n].transpose(0, 1)
+            else:
+                k, v = kv.gather(self.layer, p.rows)  # [KV, L, hd]
+            L, mask = k.shape[1], p.masks[self.window]  # mask [1, 1, n, L]
+            # on CPU the chunk's queries go in blocks whose fp32 scores stay within SOFTCAP_SCORES_BYTES (the
+            # workspace arithmetic, protocol.memory, counts no [H, n, L] scores); on CUDA the workspace is measured
+            rows = p.n if q.is_cuda else max(1, SOFTCAP_SCORES_BYTES // (H * L * 4))
+            for a in range(0, p.n, rows):
+                b = min(p.n, a + rows)
+                qp = q[p.first + a:p.first + b].view(b - a, KV, g, hd).permute(1, 2, 0, 3)  # [KV, g, rows, hd]
+                y = softcapped_attention(qp, k.unsqueeze(1), v.unsqueeze(1), scale=self.scale, cap=cap,
+                                         mask=mask[:, :, a:b])  # [KV, g, rows, hd]
+                out[p.first + a:p.first + b] = y.permute(2, 0, 1, 3).reshape(b - a, H * hd)
+        return out
+
 
 
 class ModelRunner:
@@ -713,12 +930,20 @@ class ModelRunner:
         # ...and with it each layer's RMSNorms, RoPE + KV write, decode attention and SwiGLU's gate go through one
         # kernels.StepKernels per step (buffers and shapes set up once for all layers, each call a ctypes call on
         # integers); False keeps the per-call wrappers and torch's silu * up (A/B: bench/peers.py --step-kernels-ab).
-        self.step_kernels = step_kernels
+        self.step_kernels = step_kernels and not cfg.family.gemma  # Gemma's small ops are torch's (GemmaBlock)
+        if cfg.family.gemma:  # nor are its LoRA terms fused into the GEMMs (its layers call lora.add after each)
+            self.fuse_lora = False
         self._step_arena = StepArena(STEP_ARENA_BYTES)  # the small ops' outputs, a copy a layer, from step to step
         w = self._read_weights()
         self.weights_bytes = sum(t.numel() * t.element_size() for t in w.values())
         self.embed = w.pop("model.embed_tokens.weight")  # [vocab, hidden]
         self.final_norm = w.pop("model.norm.weight")
+        # Gemma: the embedding times sqrt(hidden) in the model's dtype (transformers' Gemma2TextScaledWordEmbedding:
+        # a fp32 scalar cast to the weight's dtype), the final norm by (1 + weight)
+        self.embed_scale: torch.Tensor | None = None
+        if cfg.family.gemma:
+            self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype=self.dtype, device=self.device)
+            self.final_norm = gemma_norm_weight(self.final_norm)
         head = w.pop("lm_head.weight", None)
         # The LM head [vocab, hidden], packed like the projections. A tied head is the embedding table itself, which
         # the token lookup reads row by row and so must stay a plain tensor: packing it makes a second copy
@@ -738,10 +963,11 @@ class ModelRunner:
             self.weights_bytes += self.head_copy_bytes
         else:
             self.head = Projection(self.embed, onednn=packed_weights)
-        self.blocks = []
+        self.blocks: list[Block] = []
+        block_class = GemmaBlock if cfg.family.gemma else Block
         for i in range(cfg.num_layers):
             prefix = f"model.layers.{i}."
-            self.blocks.append(Block(self, i, {k[len(prefix):]: t for k, t in w.items() if k.startswith(prefix)}))
+            self.blocks.append(block_class(self, i, {k[len(prefix):]: t for k, t in w.items() if k.startswith(prefix)}))
         del w
         if native_gemm:  # its panels round each projection's outputs up to 16: those zeros are weights' bytes too
             projections = [self.head] + [p for b in self.blocks for p in (b.qkv, b.o, b.gate_up, b.down)]
@@ -751,6 +977,9 @@ class ModelRunner:
         cos, sin_signed = rope_tables(cfg)  # [P, hd]
         self.rope_cos = cos.to(self.dtype).to(self.device)
         self.rope_sin = sin_signed.to(self.dtype).to(self.device)
+        local = local_rope_tables(cfg)  # Gemma 3's sliding layers: their own base
+        self.local_rope = None if local is None else (local[0].to(self.dtype).to(self.device),
+                                                     local[1].to(self.dtype).to(self.device))
 
         self.memory: PoolSplit | None = None
         self.workspace_measured: int | None = None
@@ -982,8 +1211,15 @@ class ModelRunner:
             sides = StepSides({g: lora.lora.group_ranges(lora.residents, g) for g in GEMM_GROUPS},
                               lora.lora.buffer_ptrs)
         ctx = StepContext(cos=cos, sin=sin, write_rows=rows_t, decode=decode, prefills=prefills, lora=lora,
-                          native=native, sides=sides, fuse_lora=fuse_lora)
+                          native=native, sides=sides, fuse_lora=fuse_lora, local_rope=self._local_rope(pos_t))
         return torch.tensor(tokens, dtype=torch.int64, device=dev), ctx, last
+
+    def _local_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin [T, 1, hd] of the sliding layers' own RoPE at the step's positions (Gemma 3), or None."""
+        if self.local_rope is None:
+            return None
+        return (self.local_rope[0].index_select(0, positions).unsqueeze(1),
+                self.local_rope[1].index_select(0, positions).unsqueeze(1))
 
     def forward(self, steps: list[SeqStep]) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(steps), vocab] at each step's last token."""
@@ -999,6 +1235,8 @@ class ModelRunner:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device), {}
         tokens, ctx, last = self._context(steps)
         x = self.embed.index_select(0, tokens)  # [T, hidden]
+        if self.embed_scale is not None:  # Gemma
+            x = x * self.embed_scale
         for block in self.blocks:
             x = block.forward(x, ctx)
         extra = {}
@@ -1009,4 +1247,10 @@ class ModelRunner:
         return self._head(x), extra  # [steps, vocab]
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(rms_norm(x, self.final_norm, self.config.rms_norm_eps)).float()
+        cfg = self.config
+        if not cfg.family.gemma:
+            return self.head(rms_norm(x, self.final_norm, cfg.rms_norm_eps)).float()
+        logits = self.head(gemma_rms_norm(x, self.final_norm, cfg.rms_norm_eps))
+        if cfg.final_logit_softcapping is not None:  # in the model's dtype, as transformers caps them
+            logits = soft_cap(logits, cfg.final_logit_softcapping)
+        return logits.float()

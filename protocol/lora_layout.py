@@ -4,7 +4,8 @@ validator, the capacity planner, the worker's adapter cache and its LoRA layers 
 
 Every served family is a pre-norm decoder with the seven projections below under Hugging Face's (and PEFT's) names;
 what sets one apart from another is written in its `Family` row, and the runner (inference_worker.model) reads it
-from there.
+from there. Gemma 2 and Gemma 3 (text) add norms and soft-capping around the same seven projections: their adapters
+take the same pages, the same LoRA kernels and the same upload checks as Llama's.
 """
 from __future__ import annotations
 
@@ -38,9 +39,36 @@ class Family:
     qk_norm: bool = False  # per-head RMSNorm on q and k after their projections, before RoPE (Qwen3): the weights
     # self_attn.q_norm / k_norm [head_dim]; an adapter on q_proj or k_proj changes what is normalised
     sliding_windows: str = "none"  # "all": every layer attends to the last sliding_window positions (Mistral,
-    # Phi-3); "per_layer": layer_types (or max_window_layers) picks the layers, when use_sliding_window (Qwen2, Qwen3)
+    # Phi-3); "per_layer": layer_types (or max_window_layers) picks the layers, when use_sliding_window (Qwen2, Qwen3);
+    # "pattern": layer_types picks them, or without it window_pattern (Gemma 2, Gemma 3)
     fused: bool = False  # qkv_proj and gate_up_proj in the checkpoint and in adapters (FUSED_MODULES)
+    gemma: bool = False  # Gemma 2 / 3's decoder (inference_worker.model.GemmaBlock): the embedding times sqrt(hidden)
+    # (in the model's dtype), every RMSNorm by (1 + weight), norms after attention and after the MLP as well as before
+    # (input_layernorm, post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm), GeGLU (the
+    # gate through hidden_activation, gelu-tanh), scores scaled by query_pre_attn_scalar ** -0.5 instead of
+    # head_dim ** -0.5, the final logits soft-capped (tanh(x / c) * c) where final_logit_softcapping is set. The
+    # seven projections keep Llama's (and PEFT's) names and shapes, so adapters need no mapping.
+    attn_softcap: bool = False  # attention scores soft-capped by attn_logit_softcapping where set (Gemma 2). Gemma 3's
+    # config has the key too, but transformers' Gemma3Attention does not apply it, and neither does the runner
+    window_pattern: int = 0  # sliding_windows "pattern": without layer_types, layer i is sliding unless (i + 1) is a
+    # multiple of this (Gemma 2: 2, every other layer; Gemma 3: 6, or the config's sliding_window_pattern)
+    local_rope: bool = False  # sliding layers rotate with their own RoPE (Gemma 3: rope_local_base_freq, default
+    # RoPE), global ones with rope_theta and its scaling (protocol.rope.local_rope_from_config)
+    norms_per_layer: int = 2  # RMSNorm weights [hidden] per layer (Gemma: 4), for the parameter count
 
+    @property
+    def norm_offset(self) -> float:
+        """What an RMSNorm adds to its weight before multiplying: 1 for Gemma's (1 + weight), 0 otherwise."""
+        return 1.0 if self.gemma else 0.0
+
+
+# Gemma 2 and Gemma 3's text decoder (Gemma3ForCausalLM; its model_type is gemma3_text). A "gemma3" folder is the
+# vision-language model (Gemma3ForConditionalGeneration, its text decoder's weights under language_model and a PEFT
+# adapter's names with it): refused by name, see UNSERVED_HINTS.
+GEMMA2 = Family("gemma2", sliding_windows="pattern", gemma=True, attn_softcap=True, window_pattern=2,
+                norms_per_layer=4)
+GEMMA3 = Family("gemma3_text", qk_norm=True, sliding_windows="pattern", gemma=True, window_pattern=6,
+                local_rope=True, norms_per_layer=4)
 
 FAMILIES = {
     "llama": Family("llama"),
@@ -48,8 +76,17 @@ FAMILIES = {
     "qwen2": Family("qwen2", qkv_bias=True, sliding_windows="per_layer"),
     "qwen3": Family("qwen3", qk_norm=True, sliding_windows="per_layer"),
     "phi3": Family("phi3", sliding_windows="all", fused=True),  # Phi-3 and Phi-4 (their model_type is phi3)
+    "gemma2": GEMMA2,
+    "gemma3_text": GEMMA3,
 }
 SERVED_MODEL_TYPES = tuple(FAMILIES)
+
+
+# What the refusal adds for a model_type close to a served one
+UNSERVED_HINTS = {
+    "gemma3": "Gemma 3's vision-language checkpoint (Gemma3ForConditionalGeneration) is not served; its text decoder "
+              "is, as model_type 'gemma3_text' (Gemma3ForCausalLM: gemma-3-1b, or a text-only export)",
+}
 
 
 class UnservedBase(ValueError):
@@ -61,7 +98,9 @@ def family_of(config) -> Family:
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     family = FAMILIES.get(str(model_type))
     if family is None:
-        raise UnservedBase(f"unsupported model_type {model_type!r}; lorafleet serves {', '.join(SERVED_MODEL_TYPES)}")
+        hint = UNSERVED_HINTS.get(str(model_type))
+        raise UnservedBase(f"unsupported model_type {model_type!r}; lorafleet serves {', '.join(SERVED_MODEL_TYPES)}"
+                           + (f". {hint}" if hint else ""))
     return family
 
 

@@ -31,8 +31,14 @@ Served types and what the runner computes (transformers 5.x, modeling_rope_utils
   sequence with the long factors, where here the keys before the crossing keep their short rotation. Matching
   generate() exactly there needs the engine to re-prefill a sequence once when it crosses (not done). Served up to
   max_position_embeddings.
+- Gemma 3 (gemma3_text) has two RoPEs: its sliding-window layers rotate with rope_local_base_freq (default RoPE,
+  theta 10,000 unless the config says otherwise), its global layers with rope_theta (1,000,000 by default) and
+  rope_scaling (linear x8 on the 4B-27B checkpoints). Both spellings are read: v5's rope_parameters nested per layer
+  type ({"sliding_attention": {...}, "full_attention": {...}}), v4's rope_theta / rope_local_base_freq /
+  rope_scaling. rope_from_config gives the global one (it sets the context served), local_rope_from_config the
+  local one; each is any of the served types above.
 Refused, named: any other type, partial_rotary_factor below 1 (Phi-4-mini), per-layer-type (nested)
-rope_parameters, and for phi3 any type but default and longrope (transformers refuses those too).
+rope_parameters except Gemma 3's, and for phi3 any type but default and longrope (transformers refuses those too).
 """
 from __future__ import annotations
 
@@ -66,8 +72,51 @@ class RopeSpec:
         return self.max_position_embeddings
 
 
+GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
+GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+GEMMA3_DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig's
+
+
+def _gemma3_view(cfg: dict, layer_type: str) -> dict:
+    """A Gemma 3 config seen as a one-RoPE config for one layer type, as Gemma3TextConfig reads it: v5 nests
+    rope_parameters per layer type; v4 wrote rope_theta (and rope_scaling) for the global layers and
+    rope_local_base_freq for the sliding ones (their RoPE is then the default)."""
+    nested = cfg.get("rope_parameters")
+    if nested:
+        if not (isinstance(nested, dict) and all(isinstance(nested.get(t), dict) for t in GEMMA3_LAYER_TYPES)):
+            raise RopeError("Gemma 3's rope_parameters must name both layer types (sliding_attention and "
+                            f"full_attention), not {nested!r}")
+        params = dict(nested[layer_type])
+    elif layer_type == "full_attention":
+        params = {**(cfg.get("rope_scaling") or {})}
+        if cfg.get("rope_theta") is not None:
+            params["rope_theta"] = cfg["rope_theta"]
+    else:
+        params = {"rope_type": "default"}
+        if cfg.get("rope_local_base_freq") is not None:
+            params["rope_theta"] = cfg["rope_local_base_freq"]
+    params.setdefault("rope_theta", GEMMA3_DEFAULT_THETA[layer_type])
+    view = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_theta", "rope_local_base_freq")}
+    return {**view, "rope_parameters": params}
+
+
+def local_rope_from_config(cfg: dict) -> RopeSpec | None:
+    """The RoPE of a base's sliding-window layers where it has one of their own (Gemma 3: rope_local_base_freq), else
+    None (every layer rotates with rope_from_config's). RopeError as for rope_from_config."""
+    if cfg.get("model_type") not in GEMMA3_MODEL_TYPES:
+        return None
+    return _rope_spec(_gemma3_view(cfg, "sliding_attention"))
+
+
 def rope_from_config(cfg: dict) -> RopeSpec:
-    """The RopeSpec of a Hugging Face config dict, or RopeError saying what is not served."""
+    """The RopeSpec of a Hugging Face config dict, or RopeError saying what is not served. For Gemma 3, that of its
+    global (full-attention) layers, which sets the context served; local_rope_from_config gives the sliding ones'."""
+    if cfg.get("model_type") in GEMMA3_MODEL_TYPES:
+        cfg = _gemma3_view(cfg, "full_attention")
+    return _rope_spec(cfg)
+
+
+def _rope_spec(cfg: dict) -> RopeSpec:
     max_pos = int(cfg.get("max_position_embeddings") or 2048)
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(params, dict):

@@ -46,9 +46,11 @@ def extra(ap) -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per request (default 32; 12)")
     ap.add_argument("--shapes", choices=("auto", "tiny", "7b"), default="auto",
                     help="model shapes (auto: 7b on the GPU, tiny in the rehearsal)")
-    ap.add_argument("--arch", choices=("llama", "qwen3", "phi3"), default="llama",
+    ap.add_argument("--arch", choices=("llama", "qwen3", "phi3", "gemma2", "gemma3"), default="llama",
                     help="the family (qwen3: Qwen3-8B's layer shapes, or tiny ones with head_dim 24; phi3: Llama's "
-                         "shapes, q/k/v and gate/up fused, adapters on qkv_proj / gate_up_proj; step parity_<arch>)")
+                         "shapes, q/k/v and gate/up fused, adapters on qkv_proj / gate_up_proj; gemma2 / gemma3: "
+                         "Gemma-2-9B's / Gemma-3-4B's layer shapes, or tiny ones, every Gemma feature on "
+                         "(bench/gpu/models.py); step parity_<arch>)")
 
 
 def main() -> None:
@@ -65,6 +67,7 @@ def body(step, args) -> None:
 
     require_device(step)
     from bench.gpu.models import (
+        GEMMA_SHAPES,
         QWEN3_8B,
         QWEN3_TINY,
         SEVEN_B,
@@ -87,6 +90,8 @@ def body(step, args) -> None:
     small = args.shapes == "tiny" or (args.shapes == "auto" and tiny)
     if args.arch == "qwen3":
         shape = dict(QWEN3_TINY if small else QWEN3_8B)
+    elif args.arch in GEMMA_SHAPES:
+        shape = dict(GEMMA_SHAPES[args.arch]["tiny" if small else "gpu"])
     else:
         shape = dict(TINY if small else SEVEN_B)
     work = Path(args.work) / f"parity_{args.arch}"

@@ -31,17 +31,49 @@ TINY = dict(hidden=64, heads=4, kv_heads=4, intermediate=176, vocab=512)
 # keep the check's time; tiny: heads of 24 beside hidden 64, so q_dim (96) is not hidden
 QWEN3_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=32000)
 QWEN3_TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=24, intermediate=176, vocab=512)
+# Gemma (arch="gemma2" / "gemma3", demo/tiny_gemma.py): every Gemma feature on. GPU: Gemma-2-9B's layer shapes (heads
+# of 256 beside hidden 3584, GQA 2, query_pre_attn_scalar 256) and Gemma-3-4B's (hidden 2560, 8 heads of 256, GQA 2),
+# Llama-2's vocabulary; the sliding window (32) shorter than most prompts, so sliding layers do slide; soft-capping at
+# 4 (attention, Gemma 2) and 6 (final), where it bites on random weights; Gemma 3's global layers with linear x8 RoPE
+# scaling as the 4B-27B checkpoints have. With 4 layers: Gemma 2 sliding, global, sliding, global; Gemma 3 sliding,
+# global, sliding, sliding (2 layers, the rehearsal's: sliding, global). Tiny: heads of 24 beside hidden 64,
+# query_pre_attn_scalar 20, window 6.
+_GEMMA_GPU = dict(vocab=32000, sliding_window=32)
+_GEMMA_TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=24, intermediate=176, vocab=512, sliding_window=6,
+                   query_pre_attn_scalar=20)
+GEMMA_SHAPES = {
+    "gemma2": {"gpu": dict(hidden=3584, heads=16, kv_heads=8, head_dim=256, intermediate=14336,
+                           query_pre_attn_scalar=256, **_GEMMA_GPU), "tiny": _GEMMA_TINY},
+    "gemma3": {"gpu": dict(hidden=2560, heads=8, kv_heads=4, head_dim=256, intermediate=10240,
+                           query_pre_attn_scalar=256, **_GEMMA_GPU), "tiny": _GEMMA_TINY},
+}
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def build_random_llama(out_dir, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
                        vocab: int, max_position: int = 1024, seed: int = 0, device: str = "cpu", arch: str = "llama",
-                       head_dim: int | None = None) -> Path:
+                       head_dim: int | None = None, sliding_window: int | None = None,
+                       query_pre_attn_scalar: int | None = None) -> Path:
     """Write config.json, generation_config.json, tokenizer files and model.safetensors (bf16) to out_dir.
     arch="qwen3": a Qwen3 (per-head q/k RMSNorm weights, jittered like the other norms; `head_dim` as given);
-    arch="phi3": a Phi-3 (qkv_proj and gate_up_proj fused in the checkpoint)."""
+    arch="phi3": a Phi-3 (qkv_proj and gate_up_proj fused in the checkpoint); arch="gemma2" / "gemma3": a Gemma
+    (demo.tiny_gemma.build_tiny_gemma, GEMMA_SHAPES above; sliding_window and query_pre_attn_scalar for Gemma only)."""
     import transformers
     from safetensors.torch import save_file
+
+    if arch in GEMMA_SHAPES:
+        from demo.tiny_gemma import build_tiny_gemma
+
+        period = 3 if arch == "gemma3" else 2  # layer i is global when i % period == 1
+        types = ["full_attention" if i % period == 1 else "sliding_attention" for i in range(layers)]
+        return build_tiny_gemma(out_dir, arch=arch, seed=seed, hidden=hidden, layers=layers, heads=heads,
+                                kv_heads=kv_heads, head_dim=head_dim or hidden // heads, intermediate=intermediate,
+                                vocab=vocab, max_position=max_position, sliding_window=sliding_window or 32,
+                                layer_types=types,
+                                query_pre_attn_scalar=query_pre_attn_scalar or 256,
+                                attn_softcap=4.0 if arch == "gemma2" else None, final_softcap=6.0,
+                                rope_scaling={"rope_type": "linear", "factor": 8.0} if arch == "gemma3" else None,
+                                tie_embeddings=False, dtype=torch.bfloat16, device=device)
 
     from demo.tiny_base import BOS, IM_END, PAD, SPECIAL_TOKENS, train_tokenizer
 

@@ -38,12 +38,12 @@ def gguf_installed():
 def test_it_refuses_an_architecture_the_runner_cannot_serve_before_converting(db, tmp_path, gguf_installed):
     from adapters.models import BaseModel
 
-    source = tmp_path / "gemma-2-2b.Q4_0.gguf"
-    write_gguf(source, "gemma2")
+    source = tmp_path / "mamba-130m.Q4_0.gguf"
+    write_gguf(source, "mamba")
     with pytest.raises(CommandError) as refused:
         run(source, tmp_path / "out")
     message = str(refused.value)
-    assert "architecture 'gemma2' cannot be served" in message
+    assert "architecture 'mamba' cannot be served" in message
     assert "llama, mistral, qwen2" in message and "Nothing was written" in message
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
     assert not BaseModel.objects.exists()

@@ -4,7 +4,9 @@ Qwen3 on a tiny random checkpoint with every feature it has switched on: per-hea
 head_dim that is not hidden / heads (q_dim 96 beside hidden 64), GQA, sliding-window layers beside full ones. Base-only
 and a mixed batch of PEFT adapters (ranks 8-32, different targets, one rsLoRA) give PEFT's greedy tokens on every
 request, logits within fp32 tolerance, and the same tokens in a batch as alone. Then RoPE yarn and dynamic NTK against
-transformers, and what register_base, the upload validator and the capacity planner read of these bases.
+transformers, and what register_base, the upload validator and the capacity planner read of these bases. Phi-3 with
+its fused modules and LongRoPE; Gemma 2 and Gemma 3 (text) with every feature on (demo/tiny_gemma.py): the same checks,
+plus prefill in chunks across the sliding window, the tied head, Gemma 3's two RoPEs, and the named refusals.
 """
 import io
 import json
@@ -359,7 +361,7 @@ def test_dynamic_ntk_base_is_registered_with_its_extended_context(short_llama, t
     assert ModelRunner(path, pool_pages=64).config.max_position_embeddings == 128  # and what the engine serves
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma3n_text", "qwen3_moe", "mixtral"])
 def test_unserved_model_types_are_refused_by_name(tiny_llama, tmp_path, model_type):
     from adapters.manifest import ManifestError, shape_manifest_from_checkpoint
 
@@ -367,7 +369,7 @@ def test_unserved_model_types_are_refused_by_name(tiny_llama, tmp_path, model_ty
     shutil.copytree(tiny_llama, path)
     _edit_config(path, model_type=model_type)
     with pytest.raises(ManifestError, match=f"model_type '{model_type}' is not supported; lorafleet serves llama, "
-                                            "mistral, qwen2, qwen3, phi3"):
+                                            "mistral, qwen2, qwen3, phi3, gemma2, gemma3_text"):
         shape_manifest_from_checkpoint(path)
     with pytest.raises(ValueError, match=f"unsupported model_type '{model_type}'"):
         ModelRunner(path, pool_pages=64)
@@ -571,7 +573,7 @@ def test_the_capacity_planner_reads_a_phi3_base_in_its_own_module_names(tiny_phi
     assert [e.targets for e in mix] == [("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj")]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma2", "gemma3"])
 def test_the_engine_serves_each_familys_peft_adapter_as_peft_does(request, tmp_path, arch):
     """The worker's whole adapter path (the blob read and checked by the adapter cache, placed by the runner, a
     fused adapter split on the way) and its scheduler: greedy tokens of an adapter request and a base request in one
@@ -606,3 +608,316 @@ def test_the_engine_serves_each_familys_peft_adapter_as_peft_does(request, tmp_p
     assert results[0].token_ids == theirs[0, len(PROMPT):].tolist()
     assert results[1].token_ids == hf_greedy(hf_model(base), PROMPT, n)
     assert results[0].token_ids != results[1].token_ids
+
+
+# --- Gemma 2 and Gemma 3 (text) ----------------------------------------------------------------------------------
+#
+# Every feature on, on 4 layers of hidden 64: heads of 24 (not hidden / heads), GQA, query_pre_attn_scalar 20 (not
+# head_dim), sliding layers (window 6, shorter than every prompt below) beside global ones, the final logits
+# soft-capped at 6 (small enough to bite on these logits). The head is untied here (a random model whose head is its
+# embedding table mostly repeats its input token, which would make greedy comparisons weak); the tied head real
+# Gemmas have is checked on its own below. Gemma 2: attention scores soft-capped at 4, layers
+# 0 and 2 sliding (its default pattern). Gemma 3: q/k norms, layers 0, 1 and 3 sliding, those rotating with theta
+# 10,000 and the global layer with theta 1,000,000 and linear scaling x4.
+
+GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory):
+    from demo.tiny_gemma import build_tiny_gemma
+
+    return build_tiny_gemma(tmp_path_factory.mktemp("tiny_gemma2"), arch="gemma2", seed=17, tie_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    from demo.tiny_gemma import build_tiny_gemma
+
+    return build_tiny_gemma(tmp_path_factory.mktemp("tiny_gemma3"), arch="gemma3", seed=29, attn_softcap=None,
+                            tie_embeddings=False,
+                            layer_types=GEMMA3_LAYER_TYPES, rope_scaling={"rope_type": "linear", "factor": 4.0})
+
+
+GEMMAS = ["gemma2", "gemma3"]
+
+
+def test_the_tiny_gemmas_have_every_feature_switched_on(tiny_gemma2, tiny_gemma3):
+    """What the tests below rely on: transformers reads the checkpoints as we wrote them, and so does the runner."""
+    g2, g3 = hf_model(tiny_gemma2), hf_model(tiny_gemma3)
+    assert type(g2).__name__ == "Gemma2ForCausalLM" and type(g3).__name__ == "Gemma3ForCausalLM"
+    for model in (g2, g3):
+        attn = model.model.layers[0].self_attn
+        assert attn.head_dim == 24 and attn.q_proj.out_features == 96 and attn.scaling == 20 ** -0.5
+        assert model.config.final_logit_softcapping == 6.0
+        assert not torch.allclose(model.model.layers[1].pre_feedforward_layernorm.weight, torch.zeros(64))
+    assert g2.config.attn_logit_softcapping == 4.0 and g2.config.layer_types[:2] == ["sliding_attention",
+                                                                                     "full_attention"]
+    assert g3.config.layer_types == GEMMA3_LAYER_TYPES and g3.model.layers[0].self_attn.q_norm.weight.shape == (24,)
+    assert g3.config.rope_parameters["full_attention"] == {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}
+    assert g3.config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
+
+    r2 = ModelRunner(tiny_gemma2, pool_pages=64, enable_lora=False)
+    assert r2.config.sliding_windows == [6, None, 6, None] and r2.config.attn_logit_softcapping == 4.0
+    assert r2.config.query_pre_attn_scalar == 20 and r2.config.local_rope is None and r2.step_kernels is False
+    r3 = ModelRunner(tiny_gemma3, pool_pages=64, enable_lora=False)
+    assert r3.config.sliding_windows == [6, 6, None, 6] and r3.config.attn_logit_softcapping is None
+    assert (r3.config.rope_theta, r3.config.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 4.0})
+    assert r3.config.local_rope.theta == 10_000.0 and r3.config.local_rope.rope_type == "default"
+
+
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_gemma_prefill_and_decode_logits_and_greedy_tokens_match_transformers(request, arch, packed):
+    base = request.getfixturevalue(f"tiny_{arch}")
+    runner = ModelRunner(base, pool_pages=256, **packed)
+    model = hf_model(base)
+    assert_logits_follow_transformers(runner, model, (PROMPT * 2)[:24], decode_steps=16)  # 4x the window
+    theirs = hf_greedy(model, PROMPT, 32)
+    assert len(theirs) == 32 and len(set(theirs)) > 8
+    assert greedy(runner, PROMPT, 32) == theirs
+
+
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_a_tied_gemma_head_is_its_embedding_table_unscaled(tmp_path, arch, packed):
+    """Real Gemmas tie the head to the embedding table; the head multiplies by the table as stored (the sqrt(hidden)
+    scaling is the embedding lookup's only), packed as a copy where the projections are packed."""
+    from demo.tiny_gemma import build_tiny_gemma
+
+    base = build_tiny_gemma(tmp_path / arch, arch=arch, seed=23, tie_embeddings=True,
+                            layer_types=GEMMA3_LAYER_TYPES if arch == "gemma3" else None)
+    model = hf_model(base)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    runner = ModelRunner(base, pool_pages=256, **packed)
+    assert_logits_follow_transformers(runner, model, (PROMPT * 2)[:24], decode_steps=8)
+
+
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_gemma_chunked_prefill_then_decode_follows_transformers_across_the_window(request, arch):
+    """A prompt read in chunks shorter and longer than the window (6), then decoded on the paged KV cache: every
+    chunk's sliding layers see only the last 6 positions, some of them in earlier chunks' pages, and the logits are
+    transformers' (one forward over the whole prompt, then its cache) at the end of each chunk and at every decode
+    step."""
+    base = request.getfixturevalue(f"tiny_{arch}")
+    runner = ModelRunner(base, pool_pages=256)
+    model = hf_model(base)
+    prompt = (PROMPT * 3)[:37]
+    with torch.no_grad():
+        every = model(torch.tensor([prompt])).logits[0]  # [37, vocab]
+    seq = Seq(runner, 64)
+    for a, b in [(0, 4), (4, 5), (5, 14), (14, 17), (17, 30), (30, 37)]:
+        ours = runner.forward([seq.step(prompt[a:b])])[0]
+        torch.testing.assert_close(ours, every[b - 1], atol=1e-4, rtol=0)
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    theirs, past = out.logits[0, -1], out.past_key_values
+    for _ in range(12):
+        tok = int(theirs.argmax())
+        ours = runner.forward([seq.step([tok])])[0]
+        with torch.no_grad():
+            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        theirs, past = out.logits[0, -1], out.past_key_values
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_gemma2_soft_capped_prompt_attention_in_query_blocks_gives_transformers_logits(tiny_gemma2, monkeypatch):
+    """On CPU a long prompt's soft-capped attention goes in blocks of queries whose scores fit SOFTCAP_SCORES_BYTES;
+    with blocks of a few rows (a budget of 4000 bytes here) the logits are still transformers'."""
+    import inference_worker.model as model_module
+
+    monkeypatch.setattr(model_module, "SOFTCAP_SCORES_BYTES", 4000)  # 4 heads x 21-30 keys: blocks of 8-11 rows
+    runner = ModelRunner(tiny_gemma2, pool_pages=256)
+    model = hf_model(tiny_gemma2)
+    prompt = (PROMPT * 3)[:30]
+    with torch.no_grad():
+        every = model(torch.tensor([prompt])).logits[0]
+    seq = Seq(runner, 40)
+    torch.testing.assert_close(runner.forward([seq.step(prompt[:21])])[0], every[20], atol=1e-4, rtol=0)
+    torch.testing.assert_close(runner.forward([seq.step(prompt[21:])])[0], every[29], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_gemmas_soft_capping_norms_window_and_scalar_each_change_the_logits(request, tmp_path, arch):
+    """The parity tests above are not vacuous: with any one of the features changed in the config, transformers'
+    logits move (so the runner, which follows them, computes each)."""
+    base = request.getfixturevalue(f"tiny_{arch}")
+    prompt = (PROMPT * 2)[:24]
+    with torch.no_grad():
+        plain = hf_model(base)(torch.tensor([prompt])).logits[0, -1]
+    changes = {"final_logit_softcapping": None, "sliding_window": 64, "query_pre_attn_scalar": 24}
+    if arch == "gemma2":
+        changes["attn_logit_softcapping"] = None
+    else:
+        changes["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    for key, value in changes.items():
+        path = tmp_path / key
+        shutil.copytree(base, path)
+        cfg = json.loads((path / "config.json").read_text())
+        cfg[key] = value
+        (path / "config.json").write_text(json.dumps(cfg))
+        runner = ModelRunner(path, pool_pages=64, enable_lora=False)
+        ours = runner.forward([Seq(runner, 24).step(prompt)])[0]
+        with torch.no_grad():
+            theirs = hf_model(path)(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+        assert (theirs - plain).abs().max() > 1e-2, key
+
+
+GEMMA_ADAPTERS = [(8, 16, False, ("q_proj", "k_proj")),
+                  (16, 32, True, ("v_proj", "o_proj", "gate_proj", "down_proj")),
+                  (32, 64, False, ALL_TARGETS)]
+
+
+@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_gemma_mixed_batch_of_peft_adapters_matches_peft_on_every_request(request, tmp_path, arch, packed):
+    from peft import PeftModel
+
+    base = request.getfixturevalue(f"tiny_{arch}")
+    dirs = [make_random_peft_adapter(base, tmp_path / f"a{r}", r=r, alpha=alpha, use_rslora=rs,
+                                     target_modules=targets, seed=r)
+            for r, alpha, rs, targets in GEMMA_ADAPTERS]
+    runner = ModelRunner(base, pool_pages=512, max_lora_rank=32, **packed)
+    slots = [load_peft_into(runner, d) for d in dirs] + [-1]
+    requests = list(zip(PROMPTS, slots, strict=True))
+    n = 24
+    together, first = greedy_batch(runner, requests, n)
+    for i, (prompt, slot) in enumerate(requests):
+        model = hf_model(base) if slot < 0 else PeftModel.from_pretrained(hf_model(base), str(dirs[i])).eval()
+        assert together[i] == hf_greedy(model, prompt, n), f"request {i} (slot {slot})"
+        with torch.no_grad():
+            theirs = model(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(first[i], theirs, atol=1e-4, rtol=0)
+        assert together[i] == greedy(runner, prompt, n, slot=slot)  # batch invariance: alone, the same tokens
+    assert all(together[i] != greedy(runner, PROMPTS[i], n) for i in range(3))  # each adapter changes its answer
+
+
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_gemma_requests_on_different_adapters_in_one_forward_equal_each_alone(request, tmp_path, arch):
+    """Batch invariance as for Llama: mixed steps (prompts beside decode tokens of two adapters and a base request,
+    past the window) give each row the logits it gets alone."""
+    base = request.getfixturevalue(f"tiny_{arch}")
+    runner = ModelRunner(base, pool_pages=512, max_lora_rank=32)
+    s0 = load_peft_into(runner, make_random_peft_adapter(base, tmp_path / "a", r=8, target_modules=ALL_TARGETS))
+    s1 = load_peft_into(runner, make_random_peft_adapter(base, tmp_path / "b", r=32, alpha=8, seed=5,
+                                                         target_modules=("k_proj", "up_proj")))
+    prompts = {s0: PROMPT[:9], s1: PROMPT[3:], -1: (PROMPT * 2)[:20]}
+
+    def history(slot: int) -> tuple[Seq, list[SeqStep]]:
+        seq = Seq(runner, 32, slot)
+        return seq, [seq.step(prompts[slot])] + [seq.step([t]) for t in (11, 22, 33)]
+
+    alone = {}
+    for slot in prompts:
+        seq, steps = history(slot)
+        alone[slot] = [runner.forward([s])[0] for s in steps]
+        seq.free()
+    seqs = {slot: history(slot) for slot in prompts}
+    plan = [[(s0, 0), (s1, 0)], [(s0, 1), (s1, 1), (-1, 0)], [(s1, 2), (-1, 1), (s0, 2)],
+            [(-1, 2), (s0, 3), (s1, 3)], [(-1, 3)]]
+    for batch in plan:
+        logits = runner.forward([seqs[slot][1][i] for slot, i in batch])
+        for row, (slot, i) in enumerate(batch):
+            torch.testing.assert_close(logits[row], alone[slot][i], atol=1e-4, rtol=0)
+    assert not torch.allclose(alone[s0][0], alone[-1][0])
+
+
+def test_gemma3_config_in_transformers_v4_spelling_is_read_the_same(tiny_gemma3, tmp_path):
+    """Gemma 3's config.json as transformers 4.x wrote it (google/gemma-3-*): rope_theta, rope_local_base_freq and
+    rope_scaling beside each other, sliding_window_pattern instead of layer_types. The same RoPE tables, layers and
+    logits as the v5 spelling, and transformers' logits."""
+    v4 = tmp_path / "v4"
+    shutil.copytree(tiny_gemma3, v4)
+    _edit_config(v4, rope_parameters=None, rope_theta=1e6, rope_local_base_freq=10_000.0,
+                 rope_scaling={"rope_type": "linear", "factor": 4.0}, layer_types=None, sliding_window_pattern=3)
+    a, b = (ModelRunner(p, pool_pages=64, enable_lora=False) for p in (tiny_gemma3, v4))
+    assert b.config.sliding_windows == a.config.sliding_windows  # pattern 3: layers 0, 1, 3 sliding
+    torch.testing.assert_close(a.rope_cos, b.rope_cos, atol=0, rtol=0)
+    torch.testing.assert_close(a.local_rope[0], b.local_rope[0], atol=0, rtol=0)
+    assert not torch.allclose(a.rope_cos, a.local_rope[0])  # the two bases do differ
+    prompt = (PROMPT * 2)[:24]
+    ours = b.forward([Seq(b, 24).step(prompt)])[0]
+    with torch.no_grad():
+        theirs = hf_model(v4)(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rope", [YARN[0], {"rope_type": "dynamic", "factor": 2.0}], ids=["yarn", "dynamic"])
+def test_gemma3_global_layers_take_any_served_rope_scaling_beside_the_local_base(tiny_gemma3, tmp_path, rope):
+    """The global layers' RoPE is any served type (here yarn, and dynamic NTK past a 32-position config), the sliding
+    layers' stays the default at their own base: transformers' logits token by token."""
+    path = tmp_path / "scaled"
+    shutil.copytree(tiny_gemma3, path)
+    full = {**rope, "rope_theta": 1e6}
+    _edit_config(path, max_position_embeddings=32 if rope["rope_type"] == "dynamic" else 512, rope_parameters={
+        "full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    runner = ModelRunner(path, pool_pages=256, enable_lora=False)
+    assert runner.config.rope_scaling["rope_type"] == rope["rope_type"] and runner.config.local_rope.theta == 1e4
+    model = hf_model(path)
+    assert model.model.rotary_emb.rope_type == {"full_attention": rope["rope_type"], "sliding_attention": "default"}
+    assert_logits_follow_transformers(runner, model, (PROMPT * 3)[:30], decode_steps=20)  # past 32 positions
+
+
+def test_gemma3_attention_soft_capping_is_not_applied_as_transformers_does_not(tiny_gemma3, tmp_path):
+    """Gemma3TextConfig carries attn_logit_softcapping, but Gemma3Attention never applies it (Gemma 3's checkpoints
+    leave it null): the runner follows transformers."""
+    path = tmp_path / "capped"
+    shutil.copytree(tiny_gemma3, path)
+    _edit_config(path, attn_logit_softcapping=1.0)
+    runner = ModelRunner(path, pool_pages=64, enable_lora=False)
+    assert runner.config.attn_logit_softcapping is None
+    prompt = (PROMPT * 2)[:24]
+    with torch.no_grad():
+        theirs = hf_model(path)(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(runner.forward([Seq(runner, 24).step(prompt)])[0], theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, "vision-language"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]}, "layer_types"),
+], ids=["gemma3-multimodal", "bidirectional", "activation", "layer-type"])
+def test_gemma_configurations_not_served_are_refused_by_name(tiny_gemma3, tmp_path, change, match):
+    path = tmp_path / "bad"
+    shutil.copytree(tiny_gemma3, path)
+    _edit_config(path, **change)
+    with pytest.raises(ValueError, match=match):
+        ModelRunner(path, pool_pages=64)
+
+
+def test_a_gemma3_multimodal_folder_is_refused_at_register_base(tiny_gemma3, tmp_path):
+    from adapters.manifest import ManifestError, shape_manifest_from_checkpoint
+
+    path = tmp_path / "gemma3-4b"
+    shutil.copytree(tiny_gemma3, path)
+    _edit_config(path, model_type="gemma3")
+    with pytest.raises(ManifestError, match="model_type 'gemma3' is not supported; lorafleet serves .*gemma3_text"):
+        shape_manifest_from_checkpoint(path)
+
+
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_a_gemma_peft_adapter_passes_upload_validation_and_takes_the_planned_pages(request, tmp_path, arch):
+    """PEFT's own names for Gemma (the seven projections, q_proj out 96 beside hidden 64): accepted as PEFT saved
+    them; the manifest names the family and its head width; the pool takes the pages the planner computes."""
+    from adapters.manifest import shape_manifest_from_checkpoint
+    from adapters.validation import validate_adapter
+    from protocol.lora_layout import ModelShape
+    from protocol.memory import adapter_pages
+
+    base = request.getfixturevalue(f"tiny_{arch}")
+    manifest = shape_manifest_from_checkpoint(base)
+    assert (manifest["architecture"], manifest["head_dim"]) == ({"gemma3": "gemma3_text"}.get(arch, arch), 24)
+    assert manifest["modules"]["q_proj"]["out_features"] == 96
+    adapter = make_random_peft_adapter(base, tmp_path / "a", r=16, target_modules=ALL_TARGETS)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    data = (adapter / "adapter_model.safetensors").read_bytes()
+    spec = validate_adapter(config, io.BytesIO(data), len(data), manifest, max_rank=64)
+    assert spec.rank == 16 and set(spec.target_modules) == set(ALL_TARGETS)
+    shape = ModelShape.from_config(json.loads((base / "config.json").read_text()))
+    runner = ModelRunner(base, pool_pages=512, max_lora_rank=32)
+    free = runner.pool.num_free
+    load_peft_into(runner, adapter)
+    assert free - runner.pool.num_free == adapter_pages(shape, 16, list(ALL_TARGETS), runner.block_size)
