@@ -396,6 +396,12 @@ class _Prefill:
     paged: torch.Tensor | None = None  # int64 [nb] the sequence's blocks, when the chunk attends on the pages in
     # place (CPU fp32, a short chunk after cached positions: kernels.paged_prefill_attention)
 
+    def gather_rows(self, kv: PagedKVCache) -> None:
+        """Set `rows` from `paged`, for a path that gathers after all (no kernel for these shapes, soft-capping)."""
+        if self.rows is None and self.paged is not None:
+            self.rows = torch.tensor(kv.rows_for(self.paged.tolist(), 0, self.start + self.n), dtype=torch.int64,
+                                     device=self.paged.device)
+
 
 @dataclass
 class _Decode:
@@ -690,8 +696,7 @@ class Block:
                 if y is not None:
                     out[p.first:p.first + p.n] = y
                     continue
-                p.rows = torch.tensor(kv.rows_for(p.paged.tolist(), 0, p.start + p.n), dtype=torch.int64,
-                                      device=q.device)
+                p.gather_rows(kv)
             if p.rows is None:  # a whole-prompt chunk: its keys are all in hand, no gather needed
                 k = k_new[p.first:p.first + p.n].transpose(0, 1)  # [KV, n, hd]
                 v = v_new[p.first:p.first + p.n].transpose(0, 1)
@@ -837,6 +842,8 @@ class GemmaBlock(Block):
                 return y
             out.index_copy_(0, d.index, y)
         for p in ctx.prefills:
+            if p.paged is not None:  # no paged kernel soft-caps: gather
+                p.gather_rows(kv)
             if p.rows is None:  # a whole-prompt chunk: its keys are all in hand
                 k, v = k_new[p.first:p.first + p.n].transpose(0, 1), v_new[p.first:p.first + p.n].transpose(0, 1)
             else:
