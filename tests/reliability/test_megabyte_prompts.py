@@ -8,7 +8,7 @@ processes (psutil: CPU time, not wall time; resident memory), asserted at the is
 - each costs < 50 ms of the web's CPU (one wave's CPU time over 60);
 - another tenant's latency while a wave is in flight is <= 2x its solo value (medians; solo and loaded requests
   alternate, so a change in the shared box's load between the two phases does not tilt the ratio);
-- the web's RSS after six waves is within 150 MB of before the first (the process has already answered 60
+- the web's RSS after seven waves is within 150 MB of before the first (the process has already answered 60
   concurrent small requests, so its threads exist before and after).
 
 2026-12-07, this 2-core box shared with other sessions (load average 7-10): 1.34-1.82x, 14-18 ms, RSS +29 to
