@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.errors import ApiError, invalid
-from protocol.lora_layout import ATTENTION_MODULES, TARGET_MODULES
+from protocol.lora_layout import ATTENTION_MODULES, FUSED_MODULES, TARGET_MODULES
 
 KNOWN_KEYS = {"model", "training_file", "validation_file", "suffix", "seed", "hyperparameters", "method",
               "metadata", "integrations", "lora", "auto_activate"}
@@ -173,7 +173,9 @@ def resolve_lora(params: JobParams, base) -> None:
     if params.rank > base.max_lora_rank:
         raise ApiError(400, "rank_too_large", f"lora.rank {params.rank} is above the largest rank base {base.slug!r} "
                                               f"serves ({base.max_lora_rank}).", param="lora.rank")
-    modules = list((base.shape_manifest or {}).get("modules") or TARGET_MODULES)
+    canonical = (*TARGET_MODULES, *FUSED_MODULES)  # the order adapters list their targets in
+    present = (base.shape_manifest or {}).get("modules") or TARGET_MODULES
+    modules = sorted(present, key=lambda m: canonical.index(m) if m in canonical else len(canonical))
     if params.target_modules is None:
         params.target_modules = tuple(m for m in modules if m in ATTENTION_MODULES or m == FUSED_QKV)
         return
