@@ -81,7 +81,7 @@ class AdapterProvenanceAdmin(ReadOnlyAdmin):
 
 class ProvenanceInline(admin.StackedInline):
     model = AdapterProvenance
-    verbose_name_plural = "Provenance (how these weights were trained)"
+    verbose_name = verbose_name_plural = "provenance (how these weights were trained)"
     extra = 0
     can_delete = False
     fields = _PROVENANCE_FIELDS
