@@ -35,7 +35,7 @@ def demo(django_db_setup, django_db_blocker, tmp_path_factory, smollm2_checkpoin
     demo_dir = root / "demo"
     with demo_settings(root), django_db_blocker.unblock():
         log = run_demo_setup("--base", "smollm2", "--models-dir", str(smollm2_checkpoint.parent), "--dir",
-                             str(demo_dir), "--adapter-steps", str(SMOLLM2.adapter_steps), "--adapter-seconds", "900")
+                             str(demo_dir), "--adapter-steps", str(SMOLLM2.adapter_steps))
         from adapters.models import AdapterVersion
 
         live = live_adapters(SMOLLM2.slug)
