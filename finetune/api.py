@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import json
 
-from django.conf import settings
 from django.http import FileResponse, JsonResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 
-from adapters.uploads import cap_upload_size
 from gateway.auth import KeyRefused, authenticate
 from gateway.errors import ApiError, invalid
 from gateway.views import OpenAIView
@@ -123,10 +121,11 @@ class FilesView(FinetuneView):
     def post(self, request):
         key = self.key(request)
         django_request = request._request
-        cap_upload_size(django_request, settings.LORAFLEET_FINETUNE_MAX_FILE_BYTES)
+        file_service.check_while_receiving(django_request)
         upload = django_request.FILES.get("file")
-        if getattr(django_request, "lorafleet_upload_cut", None):
-            raise file_service.too_large(settings.LORAFLEET_FINETUNE_MAX_FILE_BYTES)
+        refusal = file_service.upload_refusal(django_request)
+        if refusal is not None:
+            raise refusal
         if upload is None:
             raise invalid("Send the dataset as the multipart field 'file'.", param="file", code="missing_parameter")
         base = None

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from django.conf import settings
+from django.core.files.uploadhandler import FileUploadHandler, StopUpload
 from django.db import transaction
 from django.utils import timezone
 
@@ -94,6 +95,43 @@ def check_token_lengths(base: BaseModel, state: JsonlScan, *, file_label: str, p
                           f"{base.slug!r}, whose context is {context} tokens. Shorten or split it.",
                           param=param, code="example_too_long")
     return sum(counts)
+
+
+class JsonlUploadHandler(FileUploadHandler):
+    """Checks the `file` field's lines as the request body arrives, before Django has spooled it whole: the first
+    bad line stops the upload (the rest of the body is read and discarded) and `upload_refusal` says why."""
+
+    def new_file(self, field_name, *args, **kwargs):
+        super().new_file(field_name, *args, **kwargs)
+        self.state = JsonlScan() if field_name == "file" else None
+
+    def receive_data_chunk(self, raw_data, start):
+        if self.state is not None:
+            try:
+                self.state.feed(raw_data)
+            except JsonlError as err:
+                self.request.lorafleet_jsonl_error = err
+                raise StopUpload(connection_reset=False) from None
+        return raw_data  # on to the next handler (the temporary file)
+
+    def file_complete(self, file_size):
+        return None
+
+
+def check_while_receiving(request) -> None:
+    """Call in a view before touching request.POST/FILES: cap the size, then check lines as they arrive."""
+    from adapters.uploads import cap_upload_size
+
+    cap_upload_size(request, settings.LORAFLEET_FINETUNE_MAX_FILE_BYTES)
+    request.upload_handlers.insert(1, JsonlUploadHandler(request))
+
+
+def upload_refusal(request) -> ApiError | None:
+    """Why the handlers above stopped this request's body, if they did."""
+    if getattr(request, "lorafleet_upload_cut", None):
+        return too_large(settings.LORAFLEET_FINETUNE_MAX_FILE_BYTES)
+    err = getattr(request, "lorafleet_jsonl_error", None)
+    return invalid_file(err) if err is not None else None
 
 
 def create_training_file(tenant, upload, *, purpose: str, base: BaseModel | None = None) -> TrainingFile:
