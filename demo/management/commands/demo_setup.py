@@ -106,6 +106,8 @@ class Command(BaseCommand):
                          "display_name": plan.display_name}
         state["adapters"] = {t: [a.name for a in DEMO_ADAPTERS if a.tenant == t] for t in DEMO_TENANTS}
         state["questions"] = dict(plan.questions)
+        # the banner's fine-tuning snippet uploads this file (globex trains its own "lister" from it)
+        state["finetune_dataset"] = str(datasets[("acme", "lister", 1)][0])
         _write_state(demo_dir / "keys.json", state)
         self.stdout.write(self.style.SUCCESS(
             f"Demo ready in {time.perf_counter() - started:.0f} s on {base.slug}: logins and API keys in "
