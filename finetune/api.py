@@ -18,15 +18,18 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 
 from gateway.auth import KeyRefused, authenticate
 from gateway.errors import ApiError, invalid
+from gateway.serializers import ErrorResponse
 from gateway.views import OpenAIView
 
 from . import files as file_service
 from . import jobs as job_service
 from .models import FineTuningJob, JobEvent, TrainingFile
 from .params import parse_job_body
+from .serializers import FileUpload, JobCreate
 from .storage import open_dataset
 
-_ERRORS = {code: OpenApiResponse(description="OpenAI's error shape") for code in (400, 401, 403, 404, 413, 429, 503)}
+_ERRORS = {code: OpenApiResponse(ErrorResponse, description="OpenAI's error shape")
+           for code in (400, 401, 403, 404, 413, 429, 503)}
 DEFAULT_PAGE = 20
 MAX_PAGE = 100
 
@@ -115,8 +118,8 @@ class FinetuneView(OpenAIView):
 
 
 class FilesView(FinetuneView):
-    @extend_schema(operation_id="create_file", responses={200: OpenApiResponse(description="The file object"),
-                                                          **_ERRORS},
+    @extend_schema(operation_id="create_file", request={"multipart/form-data": FileUpload},
+                   responses={200: OpenApiResponse(description="The file object"), **_ERRORS},
                    description="Upload a JSONL dataset (`purpose=fine-tune`), checked line by line while it streams.")
     def post(self, request):
         key = self.key(request)
@@ -135,7 +138,7 @@ class FilesView(FinetuneView):
                                                     base=base)
         return JsonResponse(file_object(created))
 
-    @extend_schema(operation_id="list_files", responses={200: OpenApiResponse(description="A page of file objects")})
+    @extend_schema(operation_id="list_files", responses={200: OpenApiResponse(description="A page of file objects"), **_ERRORS})
     def get(self, request):
         key = self.key(request)
         files = TrainingFile.objects.for_tenant(key.tenant).live()
@@ -195,8 +198,8 @@ def _own_job(key, job_id: str) -> FineTuningJob:
 
 
 class JobsView(FinetuneView):
-    @extend_schema(operation_id="create_fine_tuning_job", responses={200: OpenApiResponse(description="The job"),
-                                                                     **_ERRORS},
+    @extend_schema(operation_id="create_fine_tuning_job", request=JobCreate,
+                   responses={200: OpenApiResponse(description="The job"), **_ERRORS},
                    description="Fine-tune a LoRA adapter of a base on a JSONL file; the result is a new version of "
                                "the adapter named by `suffix`.")
     def post(self, request):
@@ -209,7 +212,8 @@ class JobsView(FinetuneView):
         job = job_service.create_job(key.tenant, params, key=key)
         return JsonResponse(job_object(_own_job(key, job.public_id)))
 
-    @extend_schema(operation_id="list_fine_tuning_jobs", responses={200: OpenApiResponse(description="A page of jobs")})
+    @extend_schema(operation_id="list_fine_tuning_jobs",
+                   responses={200: OpenApiResponse(description="A page of jobs"), **_ERRORS})
     def get(self, request):
         return _page(_jobs(self.key(request)), request, "pk__lt", job_object)
 
@@ -222,7 +226,7 @@ class JobDetailView(FinetuneView):
 
 
 class JobCancelView(FinetuneView):
-    @extend_schema(operation_id="cancel_fine_tuning_job", responses={200: OpenApiResponse(description="The job"),
+    @extend_schema(operation_id="cancel_fine_tuning_job", request=None, responses={200: OpenApiResponse(description="The job"),
                                                                      **_ERRORS})
     def post(self, request, job_id: str):
         key = self.key(request)
