@@ -148,3 +148,26 @@ def test_a_running_job_whose_trainer_stopped_beating_is_failed_when_asked_about(
     job = client.get(f"/v1/fine_tuning/jobs/{job_id}", **auth(ft.acme_key)).json()
     assert job["status"] == "failed" and job["error"]["code"] == "trainer_lost"
     assert "trainer-x@h:1" in job["error"]["message"] and job["fine_tuned_model"] is None
+
+
+def test_a_key_bound_to_an_adapter_fine_tunes_only_that_adapter(client, ft, training_file):
+    from adapters.services import create_adapter
+    from gateway.services import issue_api_key
+
+    adapter = create_adapter(ft.acme, "support", ft.base)
+    _, bound = issue_api_key(ft.acme, "bound", bound_adapter=adapter)
+    r = create(client, bound, model="tiny-ft", training_file=training_file, suffix="something-else")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "key_bound_to_adapter"
+    assert FineTuningJob.objects.count() == 0 and ft.published == []
+    r = create(client, bound, model="tiny-ft", training_file=training_file)
+    assert r.status_code == 200 and r.json()["user_provided_suffix"] == "support"
+
+
+def test_a_suffix_naming_an_adapter_of_another_base_is_refused(client, ft, training_file, ft_base_dir):
+    from adapters.services import create_adapter, register_base_model
+
+    other = register_base_model("tiny-other", ft_base_dir)
+    create_adapter(ft.acme, "elsewhere", other)
+    message = _refused(client, ft, 400, "adapter_base_mismatch", "suffix", model="tiny-ft",
+                       training_file=training_file, suffix="elsewhere")
+    assert "tiny-other" in message

@@ -53,6 +53,8 @@ def test_a_second_job_adds_a_version_that_waits_for_activation_unless_auto_activ
         run_job(_job(client, ft, suffix="adder").public_id, owner=OWNER)
     adapter = Adapter.objects.get(tenant=ft.acme, name="adder")
     assert sorted(adapter.versions.values_list("number", flat=True)) == [1, 2]
+    # the same file, seed and settings: byte-identical weights (one blob, two versions with their own provenance)
+    assert len(set(adapter.versions.values_list("sha256", flat=True))) == 1
     assert adapter.active_version.number == 1
     last = FineTuningJob.objects.filter(suffix="adder").order_by("-id").first()
     assert "not live yet" in JobEvent.objects.filter(job=last, message__startswith="New fine-tuned").get().message
