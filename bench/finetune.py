@@ -56,9 +56,13 @@ def dataset(n: int) -> list[dict]:
 
 
 def smollm2_base() -> Path:
-    from bench.engine import smollm2_base as imported
+    """The imported checkpoint, where `make demo` keeps it (imported once, ~30 s; reused while the GGUF is unchanged)."""
+    from adapters.gguf_import import import_gguf
+    from demo.plan import SMOLLM2, SMOLLM2_PACKAGE
 
-    return imported()
+    folder = Path(os.environ.get("LORAFLEET_VAR_DIR", REPO / "var")) / "models" / SMOLLM2.slug
+    import_gguf(SMOLLM2_PACKAGE, folder, progress=False)
+    return folder
 
 
 # --- speed -------------------------------------------------------------------------------------------
