@@ -207,12 +207,25 @@ def delete_training_file(file: TrainingFile) -> None:
 
 
 def read_examples(file: TrainingFile, *, file_label: str) -> JsonlScan:
-    """A stored file's examples, checked again (storage is not trusted to hand back what was checked)."""
+    """A stored file's examples, checked again, and its bytes checked against the sha256 recorded at upload (what
+    a job trains on is what its provenance names)."""
+    digest = hashlib.sha256()
+
+    def hashed(chunks: Iterable[bytes]) -> Iterable[bytes]:
+        for chunk in chunks:
+            digest.update(chunk)
+            yield chunk
+
     try:
-        return scan(iter_dataset(file.storage_key), keep=True)
+        state = scan(hashed(iter_dataset(file.storage_key)), keep=True)
     except JsonlError as err:
         raise invalid_file(err, file_label=file_label) from None
     except BlobStorageError as exc:
         log.warning("reading %s failed: %s", file.public_id, exc)
         raise ApiError(503, "storage_unavailable", f"{file_label} cannot be read from storage; retry shortly.",
                        type="server_error", headers={"Retry-After": "5"}) from exc
+    if digest.hexdigest() != file.sha256:
+        log.error("%s: stored bytes have sha256 %s, not %s", file.public_id, digest.hexdigest(), file.sha256)
+        raise ApiError(500, "file_integrity_error", f"{file_label} in storage is not the file that was uploaded; "
+                                                    f"upload it again.", type="server_error")
+    return state

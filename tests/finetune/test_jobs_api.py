@@ -8,7 +8,7 @@ import json
 import pytest
 from django.utils import timezone
 
-from finetune.models import FineTuneLimits, FineTuningJob, JobStatus
+from finetune.models import FineTuneLimits, FineTuningJob, JobStatus, TrainingFile
 
 from .helpers import GOOD_EXAMPLES, auth, example, jsonl, upload
 
@@ -171,3 +171,12 @@ def test_a_suffix_naming_an_adapter_of_another_base_is_refused(client, ft, train
     message = _refused(client, ft, 400, "adapter_base_mismatch", "suffix", model="tiny-ft",
                        training_file=training_file, suffix="elsewhere")
     assert "tiny-other" in message
+
+
+def test_a_stored_file_whose_bytes_changed_is_never_trained_on(client, ft, training_file):
+    stored = TrainingFile.objects.get(public_id=training_file)
+    path = ft.storage / stored.storage_key
+    path.write_bytes(path.read_bytes().replace(b"plus", b"minus"))
+    r = create(client, ft.acme_key, model="tiny-ft", training_file=training_file)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "file_integrity_error"
+    assert FineTuningJob.objects.count() == 0 and ft.published == []
