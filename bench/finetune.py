@@ -1,7 +1,7 @@
 """Fine-tuning (issue 50) on SmolLM2-135M-Instruct: the training core's speed against a plain transformers + PEFT
 loop, and the time from `files.create` to the first answer of the new adapter on the real stack.
 
-    .venv/bin/python bench/finetune.py [--only speed,e2e] [--speed-examples 64] [--epochs 1] [--json var/ft.json]
+    .venv/bin/python bench/finetune.py [--only speed,e2e] [--speed-examples 64] [--rounds 2] [--epochs 1] [--json f]
     make bench-finetune
 
 - speed: the same chat examples (the demo's styles, demo/styles.py), the same LoRA (r=8, alpha 16 on q/k/v/o), the
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import platform
@@ -136,17 +137,23 @@ def speed(args) -> dict:
     examples = dataset(args.speed_examples)
     settings = TrainSettings(n_epochs=args.epochs, batch_size=8, learning_rate=5e-3, rank=8, alpha=16,
                              target_modules=TARGETS, seed=1)
-    out = {"examples": len(examples), "threads": threads, "epochs": args.epochs, "batch_size": 8}
-    for name, fn in (("plain", run_plain), ("ours", run_ours)):
-        load = os.getloadavg()[0]
-        r = fn(base, examples, settings, threads)
-        r["tokens_per_s"] = round(r["tokens"] / r["seconds"], 1)
-        r["load_before"] = round(load, 2)
-        out[name] = r
-        print(f"  {name:5s}: {r['steps']} steps, {r['tokens']} tokens in {r['seconds']:.1f} s = {r['tokens_per_s']} "
-              f"tok/s; loss {r['first_loss']:.4f} -> {r['last_loss']:.4f} (load {load:.1f})", flush=True)
+    out = {"examples": len(examples), "threads": threads, "epochs": args.epochs, "batch_size": 8,
+           "rounds": args.rounds}
+    runs = {"plain": run_plain, "ours": run_ours}
+    for round_ in range(args.rounds):
+        # alternate the order, so neither side always runs after the other's warm-up
+        for name in (("plain", "ours") if round_ % 2 == 0 else ("ours", "plain")):
+            load = os.getloadavg()[0]
+            r = runs[name](base, examples, settings, threads)
+            r["tokens_per_s"] = round(r["tokens"] / r["seconds"], 1)
+            r["load_before"] = round(load, 2)
+            if name not in out or r["tokens_per_s"] > out[name]["tokens_per_s"]:  # best of the rounds
+                out[name] = r
+            print(f"  {name:5s}: {r['steps']} steps, {r['tokens']} tokens in {r['seconds']:.1f} s = "
+                  f"{r['tokens_per_s']} tok/s; loss {r['first_loss']:.4f} -> {r['last_loss']:.4f} (load {load:.1f})",
+                  flush=True)
     out["speedup"] = round(out["ours"]["tokens_per_s"] / out["plain"]["tokens_per_s"], 2)
-    print(f"  train_lora / plain transformers+PEFT: {out['speedup']}x tokens/s", flush=True)
+    print(f"  train_lora / plain transformers+PEFT, best of {args.rounds}: {out['speedup']}x tokens/s", flush=True)
     return out
 
 
@@ -239,6 +246,7 @@ def main() -> None:
     parser.add_argument("--speed-examples", type=int, default=64, help="examples for the speed comparison")
     parser.add_argument("--e2e-examples", type=int, default=200, help="examples in the end-to-end dataset")
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2, help="speed: timed runs of each, best kept")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the core's default)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
@@ -247,6 +255,8 @@ def main() -> None:
     import django
 
     django.setup()
+    for noisy in ("httpx", "httpx2", "openai"):  # one line per poll otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     figures = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(f"bench/finetune.py on {figures['machine']} (load {os.getloadavg()[0]:.1f})", flush=True)
