@@ -60,8 +60,9 @@ echo "Starting the inference worker for base $BASE_SLUG (log: $LOGS/worker.log) 
 "$PY" manage.py run_worker --base "$BASE_SLUG" --metrics-port 0 >"$LOGS/worker.log" 2>&1 &
 PIDS+=($!)
 echo "Starting the fine-tuning trainer for base $BASE_SLUG (log: $LOGS/trainer.log) ..."
-# Its own process: training never takes the inference worker's memory or batch (docs: fine-tuning).
-"$PY" manage.py run_trainer --base "$BASE_SLUG" >"$LOGS/trainer.log" 2>&1 &
+# Its own process: training never takes the inference worker's memory or batch (docs: fine-tuning). Its OpenMP
+# threads sleep when idle instead of spinning: here it shares the cores with the worker and the web server.
+OMP_WAIT_POLICY=PASSIVE "$PY" manage.py run_trainer --base "$BASE_SLUG" >"$LOGS/trainer.log" 2>&1 &
 PIDS+=($!)
 echo "Starting the web server on http://$HOST:$PORT (log: $LOGS/web.log) ..."
 "$PY" -m gunicorn config.wsgi:application --bind "$HOST:$PORT" --workers 1 --threads 128 --timeout 120 \
@@ -196,7 +197,7 @@ for tenant, adapters in state["adapters"].items():
 ft_key, ft_data = state["api_keys"]["globex"], state.get("finetune_dataset")
 if ft_data:
     print()
-    print("--- fine-tuning: globex trains its own \"lister\" from the demo's JSONL (a minute or two on two cores) ---")
+    print("--- fine-tuning: globex trains its own \"lister\" from the demo's JSONL (minutes on two cores) ---")
     print(".venv/bin/python - <<'EOF'")
     print("import time")
     print("from openai import OpenAI")
@@ -207,7 +208,7 @@ if ft_data:
     print('while job.status not in ("succeeded", "failed", "cancelled"):')
     print("    time.sleep(5)")
     print("    job = client.fine_tuning.jobs.retrieve(job.id)")
-    print("    print(job.status, *[e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=1)])")
+    print("    print(job.status, *[e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=1).data])")
     print("print(job.status, job.fine_tuned_model, job.error)")
     print(f'reply = client.chat.completions.create(model=job.fine_tuned_model, max_tokens={MAX_TOKENS}, temperature=0,')
     print(f'    messages=[{{"role": "user", "content": "{questions.get("lister", "What did you do today?")}"}}])')

@@ -24,6 +24,7 @@ Running it again changes nothing that is already in place; ``--reset`` starts th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -284,6 +285,7 @@ class Command(BaseCommand):
         from transport.replies import ensure_local_folders
 
         ensure_local_folders()  # the embedded broker's folders: creating a job queues it there
+        logging.getLogger("kombu.connection").setLevel(logging.ERROR)  # "No hostname was supplied" (files need none)
         try:
             with open(path, "rb") as fh:
                 file = create_training_file(tenant, File(fh, name=path.name), purpose="fine-tune", base=base)
