@@ -341,7 +341,8 @@ def _run(model, tokenizer, train_enc: list[Encoded], valid_enc: list[Encoded], s
     total = per_epoch * settings.n_epochs
     every = max(1, math.ceil(total / MAX_LOGGED_STEPS))
     model.train()
-    step, last_epoch_losses, started = 0, [], time.perf_counter()
+    step, started = 0, time.perf_counter()
+    last_epoch_losses: list[float] = []
     for epoch in range(settings.n_epochs):
         last_epoch_losses = []
         for picks in _batches(len(train_enc), settings.batch_size, gen):
