@@ -32,12 +32,14 @@ What it does, and why:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -272,6 +274,13 @@ def _pick_device(device: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _autocast(device: torch.device):
+    """bf16 autocast on CUDA (weights and LoRA stay fp32); nothing on the CPU, where training is fp32."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def _batches(n: int, batch_size: int, gen: torch.Generator) -> list[list[int]]:
     order = torch.randperm(n, generator=gen).tolist()
     return [order[i:i + batch_size] for i in range(0, n, batch_size)]
@@ -316,7 +325,9 @@ def train_lora(base_dir: Path, train: list[dict], valid: list[dict] | None, sett
         lora = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, target_modules=list(settings.target_modules),
                           lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
         try:
-            model = get_peft_model(base, lora)
+            with warnings.catch_warnings():  # PEFT asks transformers a deprecated question; nothing for a user to do
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+                model = get_peft_model(base, lora)
         except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"
             raise ValueError(f"LoRA target modules {list(settings.target_modules)} do not fit this base: {exc}") from None
         model.to(dev)
@@ -336,7 +347,7 @@ def _run(model, tokenizer, train_enc: list[Encoded], valid_enc: list[Encoded], s
     opt = torch.optim.AdamW(params, lr=settings.learning_rate, betas=(0.9, 0.98), weight_decay=0.0)
     loss_of = _BatchLoss(model, prefix=train_enc[0].ids[:shared_prefix_length(train_enc)], pad_id=pad_id,
                          device=device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = _autocast(device)
     per_epoch = math.ceil(len(train_enc) / settings.batch_size)
     total = per_epoch * settings.n_epochs
     every = max(1, math.ceil(total / MAX_LOGGED_STEPS))
@@ -388,7 +399,7 @@ def evaluate(model, encoded: list[Encoded], *, batch_size: int, pad_id: int, dev
     """Mean loss per target token over `encoded`, in file order."""
     loss_of = _BatchLoss(model, prefix=encoded[0].ids[:shared_prefix_length(encoded)], pad_id=pad_id, device=device)
     total, count = 0.0, 0
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with _autocast(device):
         for i in range(0, len(encoded), batch_size):
             summed, n = loss_of.sums(encoded[i:i + batch_size])
             total, count = total + float(summed), count + n
