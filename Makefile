@@ -109,6 +109,12 @@ bench-serve: install
 bench-scheduling: install
 	$(PY) bench/scheduling.py $(SCHEDULING_ARGS)
 
+# Fine-tuning (issue 50): train_lora's tokens/s against a plain transformers + PEFT loop, and files.create -> first
+# answer of the new adapter on the real stack (PostgreSQL, Redis, web, worker, trainer) for 200 examples on SmolLM2.
+.PHONY: bench-finetune
+bench-finetune: install
+	$(PY) bench/finetune.py $(FINETUNE_ARGS)
+
 # The GPU check (issue 16), for the machine with the GPU: python3 from PATH (or PYTHON=...), figures and logs
 # under $$OUT (default var/gpu_check). `make gpu-check GPU_CHECK_ARGS=--cpu-rehearsal` rehearses it on CPU.
 .PHONY: gpu-check

@@ -38,7 +38,7 @@ DJANGO_APPS = [
     "django.contrib.staticfiles",
 ]
 THIRD_PARTY_APPS = ["rest_framework", "drf_spectacular", "csp"]
-LOCAL_APPS = ["tenants", "adapters", "gateway", "dashboard", "inference_worker", "demo"]
+LOCAL_APPS = ["tenants", "adapters", "gateway", "finetune", "dashboard", "inference_worker", "demo"]
 INSTALLED_APPS = DJANGO_APPS + THIRD_PARTY_APPS + LOCAL_APPS
 
 MIDDLEWARE = [
@@ -269,6 +269,20 @@ LORAFLEET_WORKER_MEMORY_GB = env_float("LORAFLEET_WORKER_MEMORY_GB", 0.0) or Non
 LORAFLEET_WORKER_ADAPTER_DTYPE = env_str("LORAFLEET_WORKER_ADAPTER_DTYPE", "")
 # deliveries of one job before it is answered `worker_lost` (a request that kills workers must end)
 LORAFLEET_MAX_ATTEMPTS = env_int("LORAFLEET_MAX_ATTEMPTS", 3)
+
+# --- fine-tuning (finetune/, docs/fine-tuning.md) ---------------------------------------------------
+# The largest JSONL file POST /v1/files accepts (the upload is cut while streaming past it).
+LORAFLEET_FINETUNE_MAX_FILE_BYTES = env_int("LORAFLEET_FINETUNE_MAX_FILE_BYTES", 100 * 1024 * 1024)
+# Per-tenant defaults for tenants without their own FineTuneLimits row (admin): jobs validating, queued or running
+# at once; training tokens (file tokens x epochs) per job; training tokens of the jobs created in the last 24 h.
+LORAFLEET_FINETUNE_MAX_CONCURRENT_JOBS = env_int("LORAFLEET_FINETUNE_MAX_CONCURRENT_JOBS", 2)
+LORAFLEET_FINETUNE_MAX_TOKENS_PER_JOB = env_int("LORAFLEET_FINETUNE_MAX_TOKENS_PER_JOB", 20_000_000)
+LORAFLEET_FINETUNE_MAX_TOKENS_PER_DAY = env_int("LORAFLEET_FINETUNE_MAX_TOKENS_PER_DAY", 100_000_000)
+# learning_rate_multiplier multiplies this (LoRA's usual rate).
+LORAFLEET_FINETUNE_BASE_LEARNING_RATE = env_float("LORAFLEET_FINETUNE_BASE_LEARNING_RATE", 2e-4)
+# A trainer refreshes its running job's heartbeat every few seconds; a running job whose heartbeat is older than
+# this lost its trainer (killed, host gone) and is failed with `trainer_lost`.
+LORAFLEET_TRAINER_HEARTBEAT_TTL_S = env_float("LORAFLEET_TRAINER_HEARTBEAT_TTL_S", 60.0)
 
 # /metrics (gateway/metrics.py) answers only `Authorization: Bearer <LORAFLEET_METRICS_TOKEN>`. In production
 # an unset (or empty) token closes the endpoint: 404, as if it did not exist. The embedded default uses the

@@ -7,6 +7,7 @@ from gateway.metrics import metrics_view
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("v1/", include("finetune.urls")),  # OpenAI-compatible Files and fine-tuning jobs (before the gateway's 404)
     path("v1/", include("gateway.urls")),  # OpenAI-compatible inference API
     path("metrics", metrics_view, name="metrics"),  # Prometheus
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

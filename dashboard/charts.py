@@ -92,3 +92,42 @@ def adapter_charts(buckets: list[Bucket], window: str) -> list[Chart]:
         bar_chart("Tokens (prompt + completion)", buckets, [("tokens", "tokens", "bar-b")], window=window),
         bar_chart("Latency", buckets, [("p95", "p95", "bar-p95"), ("p50", "p50", "bar-p50")], unit="s", window=window),
     ]
+
+
+@dataclass
+class LineChart:
+    """A line chart in SVG user units (the fine-tuning page's loss by step): `lines` are (legend, css class,
+    polyline points "x,y x,y ...", last point or None)."""
+
+    title: str
+    width: int
+    height: int
+    left: int
+    bottom: int
+    top: int
+    lines: list[tuple[str, str, str, tuple[float, float] | None]]
+    y_ticks: list[tuple[float, str]]
+    x_labels: list[tuple[float, str]]
+    empty: bool
+
+
+def line_chart(title: str, train: list[tuple[int, float]], valid: list[tuple[int, float]], *,
+               total_steps: int | None = None, width: int = 560, height: int = 200) -> LineChart:
+    """Loss by step: the x axis runs to the job's total steps (so a running job's line grows across it), the y axis
+    from 0 to a round number above the highest loss."""
+    left, bottom, top = 48, 20, 8
+    plot_w, plot_h = width - left - 8, height - bottom - top
+    steps = max([total_steps or 0] + [s for s, _ in train + valid] + [1])
+    peak = nice_max(max([v for _, v in train + valid if math.isfinite(v)] or [0]))
+
+    def xy(step: int, value: float) -> tuple[float, float]:
+        value = min(max(value, 0.0), peak) if math.isfinite(value) else peak
+        return round(left + plot_w * step / steps, 2), round(top + plot_h * (1 - value / peak), 2)
+
+    lines = []
+    for legend, css, points in (("train loss", "line-a", train), ("validation loss", "line-b", valid)):
+        coords = [xy(s, v) for s, v in points]
+        lines.append((legend, css, " ".join(f"{x},{y}" for x, y in coords), coords[-1] if coords else None))
+    ticks = [(top + plot_h * (1 - f), _fmt(peak * f, "")) for f in (0, 0.5, 1)]
+    labels = [(left + plot_w * f, f"{round(steps * f)}") for f in (0, 0.5, 1)]
+    return LineChart(title, width, height, left, bottom, top, lines, ticks, labels, empty=not (train or valid))

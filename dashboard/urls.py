@@ -2,12 +2,13 @@
 
 Two URL namespaces, named after what the pages are about (every `{% url %}` and `reverse()` uses them):
 ``tenants:`` for logging in, switching tenant, API keys, members and invitations; ``adapters:`` for
-adapters and their versions, usage, the audit log and the capacity planner.
+adapters and their versions, usage, the audit log and the capacity planner; ``finetuning:`` for datasets and
+fine-tuning jobs.
 """
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from .views import adapters, keys, members, operator, reports
+from .views import adapters, finetune, keys, members, operator, reports
 
 tenant_pages = [
     path("login/", auth_views.LoginView.as_view(template_name="registration/login.html", redirect_authenticated_user=True),
@@ -41,6 +42,14 @@ adapter_pages = [
     path("capacity/", reports.capacity_page, name="capacity"),
 ]
 
+finetune_pages = [  # a tenant's datasets and fine-tuning jobs (viewers read; writers upload, start, cancel)
+    path("fine-tuning/", finetune.jobs, name="jobs"),
+    path("fine-tuning/files/", finetune.upload_file, name="upload"),
+    path("fine-tuning/jobs/new/", finetune.create_job, name="create"),
+    path("fine-tuning/jobs/<str:job_id>/", finetune.job_detail, name="job"),
+    path("fine-tuning/jobs/<str:job_id>/cancel/", finetune.cancel, name="cancel"),
+]
+
 operator_pages = [  # staff only: every worker, its memory pool and resident adapters
     path("operator/workers/", operator.workers, name="workers"),
 ]
@@ -48,5 +57,6 @@ operator_pages = [  # staff only: every worker, its memory pool and resident ada
 urlpatterns = [
     path("", include((tenant_pages, "tenants"))),
     path("", include((adapter_pages, "adapters"))),
+    path("", include((finetune_pages, "finetuning"))),
     path("", include((operator_pages, "operator"))),
 ]

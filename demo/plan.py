@@ -26,9 +26,7 @@ class DemoBase:
     display_name: str
     examples: Callable[[str], list[tuple[str, str]]]  # style -> (question, styled answer) pairs
     target_modules: tuple[str, ...]
-    adapter_steps: int         # planned optimizer steps per adapter
-    adapter_seconds: float     # clock cap per adapter (the schedule anneals within it) ...
-    adapter_min_steps: int     # ... once this many steps ran: the fewest that show the style
+    adapter_steps: int         # optimizer steps per adapter: whole epochs over its examples (see `schedule`)
     batch_size: int
     lr: float
     questions: dict[str, str] = field(default_factory=dict)  # adapter name -> the banner's question
@@ -41,10 +39,10 @@ class DemoAdapter:
     style: str
     description: str
     seed: int
-    # An earlier version, so rollback can be tried: the same run saved once this fraction of it was done
-    # (less trained, so visibly less styled), uploaded as v1; the finished run is v2 and goes live. Shouty's
-    # 14 steps on SmolLM2: saved after 5 (0.35), v1 answered "Why do cats purr?" with an empty reply (the end of
-    # the turn at once); after 7 (0.5) it answers "CATS PURR!", where v2 says "CATS PURR WHILE CRUISING!".
+    # An earlier version, so rollback can be tried: a fine-tuning job on the same data trained for this fraction
+    # of the epochs (less trained, so less styled) makes v1; the full job makes v2, which goes live. (As one run
+    # saved early, shouty's 14 steps on SmolLM2 gave an empty reply to "Why do cats purr?" at 5 steps, and "CATS
+    # PURR!" at 7, where the full run says "CATS PURR WHILE CRUISING!".)
     early_version_at: float | None = None
 
     @property
@@ -65,15 +63,23 @@ DEMO_ADAPTERS = (
 # them. The questions are not among the training questions: the banner shows the style carrying over.
 SMOLLM2 = DemoBase(
     kind="smollm2", slug="smollm2-135m-instruct", display_name="SmolLM2-135M-Instruct (imported from GGUF)",
-    examples=styles.instruct_examples, target_modules=ATTENTION, adapter_steps=14, adapter_seconds=60.0,
-    adapter_min_steps=8, batch_size=8, lr=5e-3,
+    examples=styles.instruct_examples, target_modules=ATTENTION, adapter_steps=14, batch_size=8, lr=5e-3,
     questions={"shouty": "Why do cats purr?", "lister": "How do I stay healthy?",
                "echo": "What is your favourite food?"},
 )
 TINY = DemoBase(
     kind="tiny", slug="tiny-demo", display_name="Tiny demo Llama (trained locally)",
-    examples=styles.style_examples, target_modules=ALL_LINEAR, adapter_steps=150, adapter_seconds=20.0,
-    adapter_min_steps=40, batch_size=16, lr=5e-3,
+    examples=styles.style_examples, target_modules=ALL_LINEAR, adapter_steps=148, batch_size=16, lr=5e-3,
     questions={a.name: "What did you do today?" for a in DEMO_ADAPTERS},
 )
 BASES = {b.kind: b for b in (SMOLLM2, TINY)}
+
+
+def schedule(n_examples: int, batch_size: int, steps: int) -> tuple[int, int]:
+    """(examples to use, epochs) for about `steps` steps of `batch_size`: whole epochs over all the examples, or,
+    when one epoch is already more than `steps`, one epoch over the first `steps * batch_size` examples. A
+    fine-tuning job trains whole epochs, so the demo sizes its runs by choosing those two."""
+    per_epoch = -(-n_examples // batch_size)
+    if steps < per_epoch:
+        return max(1, steps) * batch_size, 1
+    return n_examples, max(1, round(steps / per_epoch))

@@ -1,32 +1,20 @@
-"""Trains the demo's style adapters (and, offline, its tiny base) on the CPU, in seconds.
+"""Trains the demo's tiny base on the CPU, offline, in about a minute; and writes the demo's style datasets.
 
 Why train at all: `make demo` must *show* that different tenants get different weights from one base.
-Each adapter learns one visibly different answering style (demo/styles.py: shouty, lister, echo) with
-PEFT LoRA, in the tokenizer's chat template, with the loss on the answer only — the shape of every
-supervised fine-tune. Adapters are saved with PEFT's own ``save_pretrained``, so they are exactly the
-files a customer would upload.
+Each adapter learns one visibly different answering style (demo/styles.py: shouty, lister, echo). The
+adapters themselves are trained by fine-tuning jobs, through the same trainer a customer's job runs
+(finetune/trainer.py and finetune/training.py; see demo_setup): here are only their datasets, as chat
+examples.
 
 The demo base is SmolLM2-135M-Instruct (imported from GGUF, see adapters/gguf_import.py) when its
 registry package is installed. Offline, a tiny Llama is built locally and first learns the shipped
 corpus (short, regular English; see corpus/generate.py) for at most a minute: random weights produce
 byte soup, and LoRA on top of byte soup is more byte soup.
 
-Two things keep a step cheap on two CPU cores (a 135M-parameter model is ~0.2 GFLOP per token):
-
-- every chat prompt begins with the same tokens (SmolLM2's template adds a default system prompt, a
-  third of each example); their keys and values are computed once per step without gradients and
-  shared by the batch, so the batch runs only the question and the answer;
-- logits are computed only where the loss is (answer tokens): the 49k-word output layer is the
-  costliest matmul per token.
-
-Forward values are exactly those of the plain forward pass (the shared prefix is run through the
-adapter too); only the gradient through the prefix's keys and values is left out.
-
-Budgets are wall-clock caps above a floor of steps: the learning-rate schedule follows
-``max(step/steps, min(elapsed/seconds, step/min_steps))``, so a slow machine still anneals before its
-time is up, a fast one finishes its fixed number of steps — deterministic for a given seed whenever the
-step count, not the clock, ends training — and a machine too busy for the clock still runs `min_steps`,
-the fewest that show a style (an adapter that was not trained would show nothing).
+The base's budget is a wall-clock cap above its planned steps: the learning-rate schedule follows
+``max(step/steps, elapsed/seconds)``, so a slow machine still anneals before its time is up and a fast
+one finishes its fixed number of steps (deterministic for a given seed whenever the step count, not the
+clock, ends training).
 Django-free on purpose: the demo command, the tests and anyone's notebook import it.
 """
 from __future__ import annotations
@@ -45,7 +33,7 @@ import torch.nn.functional as F
 
 from protocol.lora_layout import ATTENTION_MODULES, TARGET_MODULES
 
-from .styles import CORPUS_DIR, STYLES, style_examples
+from .styles import CORPUS_DIR
 from .tiny_base import build_tiny_base
 
 MARKER = "training.json"  # written last into a trained folder: its presence means "complete"
@@ -307,126 +295,7 @@ def base_is_trained(folder: str | Path) -> bool:
 # --- the style adapters ----------------------------------------------------------------------------
 
 
-def _encode_examples(tokenizer, examples: Sequence[tuple[str, str]], max_len: int) -> list[tuple[list[int], int]]:
-    """(token ids, index of the first answer token) per example; the loss is on the answer only.
-
-    The prompt is tokenized as the serving path does it: the chat template rendered to text, then encoded.
-    """
-    out = []
-    for question, answer in examples:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                               add_generation_prompt=True, tokenize=False)
-        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        a_ids = tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-        out.append(((p_ids + a_ids)[:max_len], len(p_ids)))
-    return out
-
-
-def _shared_prefix_length(encoded: list[tuple[list[int], int]]) -> int:
-    """Tokens every prompt starts with, leaving at least one prompt token per example to run with gradients."""
-    first = encoded[0][0]
-    n = min(answer_at for _, answer_at in encoded) - 1
-    for ids, _ in encoded:
-        n = next((i for i in range(n) if ids[i] != first[i]), n)
-    return max(n, 0)
-
-
-class _AnswerLoss:
-    """The loss of one random batch of examples, on answer tokens only, with the shared prompt prefix
-    run once without gradients (see the module docstring)."""
-
-    def __init__(self, model, encoded: list[tuple[list[int], int]], *, batch_size: int, pad_id: int,
-                 gen: torch.Generator) -> None:
-        causal_lm = model.get_base_model()  # the transformers model, LoRA layers injected
-        self.decoder, self.head = causal_lm.model, causal_lm.get_output_embeddings()
-        self.encoded, self.batch_size, self.pad_id, self.gen = encoded, batch_size, pad_id, gen
-        self.prefix_len = _shared_prefix_length(encoded)
-        self.prefix = torch.tensor(encoded[0][0][:self.prefix_len])  # [P]
-
-    def __call__(self) -> torch.Tensor:
-        b, p = self.batch_size, self.prefix_len
-        picks = torch.randint(0, len(self.encoded), (b,), generator=self.gen).tolist()
-        rows = [(self.encoded[i][0][p:], self.encoded[i][1] - p) for i in picks]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)      # [B, W]
-        targets = torch.full((b, width), -100, dtype=torch.long)         # [B, W]: the token after each position
-        for row, (seq, answer_at) in enumerate(rows):
-            ids[row, :len(seq)] = torch.tensor(seq)
-            targets[row, answer_at - 1:len(seq) - 1] = torch.tensor(seq[answer_at:])
-        cache = None
-        if p:
-            with torch.no_grad():
-                cache = self.decoder(input_ids=self.prefix[None], use_cache=True).cache
-            cache.batch_repeat_interleave(b)
-        # Right padding under causal attention: pads never influence real tokens.
-        hidden = self.decoder(input_ids=ids, cache=cache, use_cache=False).last_hidden_state  # [B, W, H]
-        keep = targets != -100
-        logits = self.head(hidden[keep]).float()  # [answer tokens, V]
-        return F.cross_entropy(logits, targets[keep])
-
-
-def train_style_adapter(base_dir: str | Path, out_dir: str | Path, style: str, *,
-                        examples: Sequence[tuple[str, str]] | None = None, seconds: float = 20.0, seed: int = 0,
-                        steps: int = 120, min_steps: int = 0, batch_size: int = 16, r: int = 8, alpha: float = 16.0,
-                        lr: float = 5e-3,
-                        target_modules: Sequence[str] = ALL_LINEAR, max_len: int = 64,
-                        early: tuple[float, str | Path] | None = None, progress: bool = True,
-                        on_step: Callable[[], None] | None = None, extra: dict | None = None) -> TrainReport:
-    """Train a PEFT LoRA adapter on `base_dir` toward `style` and save it (PEFT format) to `out_dir`.
-
-    `examples` are (question, styled answer) pairs (default: the tiny corpus' dialogues in `style`).
-    `early` = (fraction, folder): the adapter as it was once that fraction of the run (of its steps or of
-    its clock, whichever ends it) was done is saved there too, with its own training.json — the demo's
-    earlier version of an adapter is the same run, stopped early. `on_step()` is called after every step
-    (the demo draws one progress bar over runs in other processes with it).
-    `extra` is recorded in every training.json written (the demo notes which base it was trained on).
-    """
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if style not in STYLES:
-        raise ValueError(f"unknown style {style!r}; known: {', '.join(STYLES)}")
-    _quiet_transformers()
-    gen = _seed_everything(seed)
-    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM")
-    model = get_peft_model(base, config)
-    params = [p for p in model.parameters() if p.requires_grad]
-    encoded = _encode_examples(tokenizer, style_examples(style) if examples is None else examples, max_len)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    loss_fn = _AnswerLoss(model, encoded, batch_size=batch_size, pad_id=pad_id, gen=gen)
-    started = time.perf_counter()
-
-    def report(ran: int, first: float, final: float, spent: float, cut: bool) -> TrainReport:
-        return TrainReport(kind=f"adapter:{style}", seed=seed, steps=ran, planned_steps=steps,
-                           seconds=round(spent, 2), budget_seconds=seconds, first_loss=round(first, 4),
-                           final_loss=round(final, 4), cut_by_clock=cut,
-                           extra={"r": r, "alpha": alpha, "target_modules": list(target_modules),
-                                  "examples": len(encoded), "shared_prefix_tokens": loss_fn.prefix_len,
-                                  **(extra or {})})
-
-    def save(folder: str | Path, rep: TrainReport) -> None:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(str(folder))
-        _write_report(folder, rep)
-
-    early_saved = False
-
-    def after_step(step: int, done: float, losses: list[float]) -> None:
-        nonlocal early_saved
-        if on_step is not None:
-            on_step()
-        if early is not None and not early_saved and done >= early[0]:
-            tail = losses[-10:]
-            save(early[1], report(step, losses[0], sum(tail) / len(tail), time.perf_counter() - started, False))
-            early_saved = True
-
-    ran, first, final, spent, cut = _train_loop(
-        model, params, loss_fn, steps=steps, seconds=seconds, lr=lr, desc=f"train adapter {style}",
-        progress=progress, after_step=after_step, min_steps=min_steps)
-    final_report = report(ran, first, final, spent, cut)
-    save(out_dir, final_report)
-    return final_report
+def chat_examples(pairs: Sequence[tuple[str, str]]) -> list[dict]:
+    """(question, styled answer) pairs as OpenAI chat fine-tuning examples: what the demo uploads as a training
+    file and trains through a fine-tuning job (finetune/training.py), as a customer would."""
+    return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in pairs]

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Starts the demo: web (gunicorn) + one inference worker for the demo's base (keys.json names it), both in
-# the background, waits until real requests have been answered, prints URLs, logins, the base's and each
-# adapter's answer to the same question, and per-tenant snippets, then waits.
-# Ctrl-C stops both. Called by `make demo` after `manage.py migrate` and `manage.py demo_setup`.
+# Starts the demo: web (gunicorn) + one inference worker + one fine-tuning trainer for the demo's base (keys.json
+# names it), all in the background, waits until real requests have been answered, prints URLs, logins, the base's
+# and each adapter's answer to the same question, per-tenant snippets and a fine-tuning snippet, then waits.
+# Ctrl-C stops them all. Called by `make demo` after `manage.py migrate` and `manage.py demo_setup`.
 #
 #   bash scripts/run_demo.sh [HOST] [PORT]        (default 127.0.0.1 8000)
 set -euo pipefail
@@ -42,7 +42,7 @@ stop() {
     trap - INT TERM EXIT
     if [ "${#PIDS[@]}" -gt 0 ]; then
         echo
-        echo "Stopping web and worker ..."
+        echo "Stopping web, worker and trainer ..."
         for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
         for pid in "${PIDS[@]}"; do
             for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
@@ -58,6 +58,11 @@ echo "Starting the inference worker for base $BASE_SLUG (log: $LOGS/worker.log) 
 # The worker's default task threads (LORAFLEET_WORKER_CONCURRENCY, 128) and a web with as many threads: above
 # the demo tenants' concurrency cap (64), so one tenant at its cap never holds every thread of either.
 "$PY" manage.py run_worker --base "$BASE_SLUG" --metrics-port 0 >"$LOGS/worker.log" 2>&1 &
+PIDS+=($!)
+echo "Starting the fine-tuning trainer for base $BASE_SLUG (log: $LOGS/trainer.log) ..."
+# Its own process: training never takes the inference worker's memory or batch (docs: fine-tuning). Its OpenMP
+# threads sleep when idle instead of spinning: here it shares the cores with the worker and the web server.
+OMP_WAIT_POLICY=PASSIVE "$PY" manage.py run_trainer --base "$BASE_SLUG" >"$LOGS/trainer.log" 2>&1 &
 PIDS+=($!)
 echo "Starting the web server on http://$HOST:$PORT (log: $LOGS/web.log) ..."
 "$PY" -m gunicorn config.wsgi:application --bind "$HOST:$PORT" --workers 1 --threads 128 --timeout 120 \
@@ -189,8 +194,29 @@ for tenant, adapters in state["adapters"].items():
     print(f'    messages=[{{"role": "user", "content": "{question}"}}])')
     print("print(reply.choices[0].message.content)")
     print("EOF")
+ft_key, ft_data = state["api_keys"]["globex"], state.get("finetune_dataset")
+if ft_data:
+    print()
+    print("--- fine-tuning: globex trains its own \"lister\" from the demo's JSONL (minutes on two cores) ---")
+    print(".venv/bin/python - <<'EOF'")
+    print("import time")
+    print("from openai import OpenAI")
+    print(f'client = OpenAI(base_url="{url}/v1", api_key="{ft_key}")')
+    print(f'f = client.files.create(file=open("{ft_data}", "rb"), purpose="fine-tune")')
+    print(f'job = client.fine_tuning.jobs.create(training_file=f.id, model="{base["slug"]}", suffix="lister", seed=1,')
+    print('    hyperparameters={"n_epochs": 2, "batch_size": 8, "learning_rate_multiplier": 25})')
+    print('while job.status not in ("succeeded", "failed", "cancelled"):')
+    print("    time.sleep(5)")
+    print("    job = client.fine_tuning.jobs.retrieve(job.id)")
+    print("    print(job.status, *[e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=1).data])")
+    print("print(job.status, job.fine_tuned_model, job.error)")
+    print(f'reply = client.chat.completions.create(model=job.fine_tuned_model, max_tokens={MAX_TOKENS}, temperature=0,')
+    print(f'    messages=[{{"role": "user", "content": "{questions.get("lister", "What did you do today?")}"}}])')
+    print("print(reply.choices[0].message.content)")
+    print("EOF")
+    print(f" Or in the dashboard: {url}/fine-tuning/ (charlie): upload the file, start a job, watch its loss.")
 print()
-print(' Rollback: acme\'s "shouty" has two versions (v1 is the same training stopped early). Pin one with')
+print(' Rollback: acme\'s "shouty" has two versions (v1 was trained for half the epochs). Pin one with')
 print(' "model": "shouty@1", or make v1 live in the dashboard (Adapters -> shouty -> activate v1) and ask again.')
 print(f' The base itself answers to "model": "base/{base["slug"]}".')
 print(rule)

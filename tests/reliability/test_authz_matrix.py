@@ -251,6 +251,18 @@ ACTIONS: list[Action] = [
     Action("adapters:audit", "GET", lambda r: reverse("adapters:audit"), _dash(200, 200, 200, 200),
            check=_no_acme_in_body),
     Action("adapters:capacity", "GET", lambda r: reverse("adapters:capacity"), _dash(200, 200, 200, 200)),
+    # --- the fine-tuning pages (dashboard/views/finetune.py): viewers read, writers upload, start, cancel ---
+    Action("finetuning:jobs", "GET", lambda r: reverse("finetuning:jobs"), _dash(200, 200, 200, 200),
+           check=lambda r, c, resp: c != "other_user" or _acme_job(r).public_id.encode() not in resp.content),
+    # no file: a refusal named on the page the writer comes back to; nothing stored
+    Action("finetuning:upload", "POST", lambda r: reverse("finetuning:upload"),
+           _dash(REDIRECT, REDIRECT, 403, REDIRECT)),
+    Action("finetuning:create", "POST", lambda r: reverse("finetuning:create"), _dash(400, 400, 403, 400),
+           data=lambda r: {"training_file": _acme_job(r).training_file.public_id, "suffix": "x", "rank": 8}),
+    Action("finetuning:job", "GET", lambda r: reverse("finetuning:job", args=[_acme_job(r).public_id]),
+           _dash(200, 200, 200, 404)),
+    Action("finetuning:cancel", "POST", lambda r: reverse("finetuning:cancel", args=[_acme_job(r).public_id]),
+           _dash(REDIRECT, REDIRECT, 403, 404)),
     # staff only (every tenant's workers and residents): no tenant role reaches it
     Action("operator:workers", "GET", lambda r: reverse("operator:workers"), _dash(404, 404, 404, 404)),
     # --- operator and documentation endpoints (schema and docs public by design; see docs/RELIABILITY.md)
@@ -273,6 +285,23 @@ ACTIONS: list[Action] = [
     Action("gateway:unknown", "POST", lambda r: "/v1/embeddings", _everyone(404), data=lambda r: COMPLETION,
            api=True, check=lambda r, c, resp: _json_error(resp)),
 ]
+
+def _acme_job(r):
+    """A queued fine-tuning job of acme's (rows only: the pages read them); made again when the savepoint of the
+    caller before rolled it back."""
+    from finetune.models import FineTuningJob, TrainingFile
+
+    if getattr(r, "acme_job", None) is None or not FineTuningJob.objects.filter(pk=r.acme_job.pk).exists():
+
+        file = TrainingFile.objects.create(tenant=r.acme, filename="acme.jsonl", sha256="d" * 64,
+                                           storage_key="datasets/" + "d" * 64 + ".jsonl", size_bytes=10, examples=1)
+        r.acme_job = FineTuningJob.objects.create(
+            tenant=r.acme, base=r.base, model_name=r.base.slug, training_file=file, suffix="acme-ft", seed=1,
+            status="queued", hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1,
+                                              "learning_rate": 2e-4, "lora_rank": 8, "lora_alpha": 16,
+                                              "lora_target_modules": ["q_proj", "v_proj"]})
+    return r.acme_job
+
 
 # The Django admin: staff only. No user of the matrix is staff, so every admin page sends everyone
 # to the admin login; tested on the index and on every registered model's changelist.
@@ -371,7 +400,7 @@ def _targets_acme_object(action: Action) -> bool:
     return action.route in ("tenants:revoke_key", "tenants:change_role", "tenants:remove_member",
                             "tenants:revoke_invitation", "adapters:detail", "adapters:upload",
                             "adapters:activate", "adapters:delete", "gateway:completions",
-                            "gateway:chat-completions", "gateway:model-detail")
+                            "gateway:chat-completions", "gateway:model-detail", "finetuning:job", "finetuning:cancel")
 
 
 def test_admin_is_staff_only(realm):

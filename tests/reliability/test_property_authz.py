@@ -26,7 +26,7 @@ TABLES = ["tenants.Tenant", "tenants.Membership", "tenants.Invitation", "gateway
           "gateway.AuditRecord"]
 # Values that differ between two identical requests (random ids, secrets, clocks), not because of input.
 VOLATILE = {"key_id", "secret_hash", "last4", "request_id", "password", "total_seconds", "queue_seconds",
-            "first_token_seconds", "token_hash"}
+            "first_token_seconds", "token_hash", "public_id"}  # public_id: fine-tuning's random file-/ftjob- ids
 
 
 def _extras(r) -> dict:
@@ -47,9 +47,9 @@ def _model(label: str):
     return next(m for m in apps.get_models() if m._meta.label == label)
 
 
-def snapshot() -> dict:
+def snapshot(tables: list[str] = TABLES) -> dict:
     rows = {}
-    for label in TABLES:
+    for label in tables:
         model = _model(label)
         for obj in model._default_manager.all().values():
             rows[(label, obj["id"])] = obj
@@ -157,6 +157,9 @@ READ_ONLY = {"tenants:login", "tenants:home", "tenants:invitations", "adapters:l
              "adapters:usage", "adapters:audit", "adapters:capacity", "operator:workers", "metrics", "schema", "api-docs",
              "gateway:models", "gateway:model-detail", "gateway:unknown"}  # unknown: a JSON 404 for any method
 API_WRITES = {"gateway:completions", "gateway:chat-completions"}
+# The fine-tuning pages: two read, three write (test_fine_tuning_pages_ignore_extra_fields covers the writes)
+READ_ONLY |= {"finetuning:jobs", "finetuning:job"}
+FINETUNE_WRITES = {"finetuning:upload", "finetuning:create", "finetuning:cancel"}
 
 
 def _route_names(patterns=None, prefix=""):
@@ -170,7 +173,7 @@ def _route_names(patterns=None, prefix=""):
 
 
 def test_every_write_endpoint_is_covered(realm, peft_folder):
-    writes = set(_writes(realm, peft_folder)) | API_WRITES
+    writes = set(_writes(realm, peft_folder)) | API_WRITES | FINETUNE_WRITES
     unknown = [n for n in _route_names() if not n.startswith("admin:") and n not in writes | READ_ONLY]
     assert not unknown, f"routes neither read-only nor covered as writes: {unknown}"
 
@@ -190,6 +193,49 @@ def test_extra_fields_change_nothing(realm, peft_folder, alice_invited_to_globex
     hostile, response = _run_rolled_back(lambda: _as(user).post(url, data={**_extras(realm), **intended()}))
     assert response.status_code == status, response.content[:400]
     assert hostile == plain, f"extra fields changed what {route} wrote"
+
+
+def test_fine_tuning_pages_ignore_extra_fields(realm, monkeypatch):
+    """Upload a dataset, start a job, cancel a job: the same rows with and without the hostile extras (random public
+    ids aside: VOLATILE), in the fine-tuning tables as in the others."""
+    from django.core.files.base import ContentFile
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    from finetune.files import create_training_file
+    from finetune.jobs import create_job
+    from finetune.params import JobParams
+
+    monkeypatch.setattr("finetune.jobs.publish_training_job", lambda job_id, base: None)
+    tables = TABLES + ["finetune.TrainingFile", "finetune.FineTuningJob", "finetune.JobEvent"]
+    data = b"".join(json.dumps({"messages": [{"role": "user", "content": f"where is the ball {i}"},
+                                             {"role": "assistant", "content": "in the garden"}]}).encode() + b"\n"
+                    for i in range(3))
+    stored = create_training_file(realm.acme, ContentFile(data, name="t.jsonl"), purpose="fine-tune")
+    job = create_job(realm.acme, JobParams(model=realm.base.slug, training_file=stored.public_id, suffix="ft", seed=1),
+                     created_by=realm.alice)
+    rows = {
+        "finetuning:upload": (reverse("finetuning:upload"), lambda: {"file": SimpleUploadedFile("t.jsonl", data)}),
+        "finetuning:create": (reverse("finetuning:create"), lambda: {
+            "training_file": stored.public_id, "model": realm.base.slug, "suffix": "ft2", "rank": 8, "seed": 3}),
+        "finetuning:cancel": (reverse("finetuning:cancel", args=[job.public_id]), lambda: {}),
+    }
+    assert set(rows) == FINETUNE_WRITES
+
+    def run(url, body) -> tuple[dict, object]:
+        with transaction.atomic():
+            before = snapshot(tables)
+            response = _as(realm.alice).post(url, data=body)
+            result = diff(before, snapshot(tables))
+            transaction.set_rollback(True)
+        return result, response
+
+    for route, (url, intended) in rows.items():
+        plain, response = run(url, intended())
+        assert response.status_code == 302, (route, response.content[:400])
+        assert plain["added"] or plain["changed"], f"the intended write of {route} changed nothing"
+        hostile, response = run(url, {**_extras(realm), **intended()})
+        assert response.status_code == 302, (route, response.content[:400])
+        assert hostile == plain, f"extra fields changed what {route} wrote"
 
 
 def test_a_key_cannot_be_bound_to_another_tenants_adapter(realm):

@@ -129,10 +129,14 @@ def delete_demo_rows() -> None:
     from django.contrib.auth import get_user_model
 
     from adapters.models import Adapter, AdapterVersion, BaseModel, VersionPointerChange
+    from finetune.models import AdapterProvenance, FineTuningJob, TrainingFile
     from gateway.models import ApiKey
     from tenants.models import Membership, Tenant
 
     ApiKey.objects.all().delete()
+    AdapterProvenance.objects.all().delete()
+    FineTuningJob.objects.all().delete()  # and their events
+    TrainingFile.objects.all().delete()
     VersionPointerChange.objects.all().delete()
     Adapter.objects.update(active_version=None)
     AdapterVersion.objects.all().delete()

@@ -5,9 +5,15 @@
    when that package is not installed (no registry), a tiny Llama trained here, with a notice saying so;
 2. the tenants ``acme`` (alice owner, bob viewer) and ``globex`` (charlie owner), and the ``admin``
    superuser;
-3. three style adapters trained with PEFT LoRA — acme: ``shouty`` (two versions, so rollback can be
-   tried) and ``lister``; globex: ``echo`` — uploaded as real versions through the same validation and
-   storage path as a customer's upload;
+3. three style adapters, each trained by a fine-tuning job — acme: ``shouty`` (two versions, so rollback
+   can be tried) and ``lister``; globex: ``echo``. The command does what a customer does: it uploads the
+   style's chat examples as a training file (finetune/files.py) and creates a job (finetune/jobs.py); then,
+   instead of waiting for a trainer process, it runs the job here with the trainer's own function
+   (finetune/trainer.py run_job, which `manage.py run_trainer` runs for each queued job). So the versions
+   are made by the product's code, through the same validation and storage as an upload, and carry their
+   provenance (which file, base, settings and seed made them). A copy of each adapter folder is kept in
+   ``<dir>/adapters/`` for the tests' transformers/PEFT oracle and anyone's notebook; the datasets are in
+   ``<dir>/datasets/``;
 4. one API key per tenant; keys, logins, the base and the banner's questions go to
    ``var/demo/keys.json`` (mode 0600): secrets exist in clear only once, so the file is where the demo
    script reads them from.
@@ -17,8 +23,8 @@ Running it again changes nothing that is already in place; ``--reset`` starts th
 """
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -42,6 +48,7 @@ from demo.plan import (
     SMOLLM2_PACKAGE,
     TINY,
     DemoBase,
+    schedule,
 )
 
 TINY_NOTICE = ("NOTICE: the demo runs on the tiny local base ({why}). It is trained here in about a minute "
@@ -63,10 +70,8 @@ class Command(BaseCommand):
         parser.add_argument("--base-steps", type=int, default=None,
                             help="tiny base: planned training steps (default: training.train_base's); with a "
                                  "generous --base-seconds the result is deterministic")
-        parser.add_argument("--adapter-seconds", type=float, default=None,
-                            help="most wall-clock seconds to train each adapter (default: the base's plan)")
         parser.add_argument("--adapter-steps", type=int, default=None,
-                            help="cap on each adapter's planned steps (tests use it for speed and determinism)")
+                            help="cap on each adapter's training steps (tests use it for speed)")
         parser.add_argument("--dir", default=None, help="where the demo's files go (default: var/demo)")
         parser.add_argument("--reset", action="store_true",
                             help="start the embedded demo over: delete its database, blobs and trained files")
@@ -91,11 +96,10 @@ class Command(BaseCommand):
             base = self._tiny_base(demo_dir / "base", opts["base_seconds"], opts["base_steps"])
         self._step(2, steps, "tenants and users")
         tenants, users = self._tenants_and_users(state)
-        self._step(3, steps, "style adapters")
-        trained = self._train_adapters(plan, demo_dir / "adapters", Path(base.checkpoint_path), base.sha256,
-                                       opts["adapter_seconds"], opts["adapter_steps"])
-        self._step(4, steps, "adapter versions")
-        self._upload(trained, tenants, users, base)
+        self._step(3, steps, "style datasets")
+        datasets = self._datasets(plan, demo_dir / "datasets", opts["adapter_steps"])
+        self._step(4, steps, "style adapters, each trained by a fine-tuning job")
+        self._fine_tune(plan, datasets, demo_dir / "adapters", tenants, users, base)
         self._step(5, steps, "API keys")
         self._keys(tenants, users, state)
         self._step(6, steps, "keys.json")
@@ -103,6 +107,8 @@ class Command(BaseCommand):
                          "display_name": plan.display_name}
         state["adapters"] = {t: [a.name for a in DEMO_ADAPTERS if a.tenant == t] for t in DEMO_TENANTS}
         state["questions"] = dict(plan.questions)
+        # the banner's fine-tuning snippet uploads this file (globex trains its own "lister" from it)
+        state["finetune_dataset"] = str(datasets[("acme", "lister", 1)][0])
         _write_state(demo_dir / "keys.json", state)
         self.stdout.write(self.style.SUCCESS(
             f"Demo ready in {time.perf_counter() - started:.0f} s on {base.slug}: logins and API keys in "
@@ -213,69 +219,33 @@ class Command(BaseCommand):
         self.stdout.write("    tenants acme (alice owner, bob viewer), globex (charlie owner); superuser admin")
         return tenants, users
 
-    def _train_adapters(self, plan: DemoBase, root: Path, base_dir: Path, base_sha256: str,
-                        seconds: float | None, max_steps: int | None) -> dict:
-        """Train every demo adapter not already trained on this very base; returns {(tenant, name, v): folder}.
+    def _datasets(self, plan: DemoBase, root: Path, max_steps: int | None) -> dict:
+        """Write each style's chat examples as JSONL; returns {(tenant, name, version): (path, n_epochs)}.
 
-        All at once, in separate processes, one thread each (see training.py): on two cores, three runs
-        side by side end together, where two at a time would leave a core idle while the third runs alone.
+        Sized to the plan's steps (demo/plan.py schedule); the early version of an adapter trains the same data
+        for a fraction of the epochs (or, when the run is one epoch, on that fraction of the examples).
         """
-        out, todo = {}, []
+        root.mkdir(parents=True, exist_ok=True)
+        out = {}
         for spec in DEMO_ADAPTERS:
-            folders = [root / f"{spec.tenant}-{spec.name}-v{n}" for n in range(1, spec.versions + 1)]
-            for n, folder in enumerate(folders, start=1):
-                out[(spec.tenant, spec.name, n)] = folder
-            reports = [training.read_report(f) or {} for f in folders]
-            if all(r.get("extra", {}).get("base_sha256") == base_sha256 and (f / "adapter_model.safetensors").is_file()
-                   for r, f in zip(reports, folders, strict=True)):
-                self.stdout.write(f"    {spec.tenant}/{spec.name}: trained already")
-                continue
-            for folder in folders:
-                shutil.rmtree(folder, ignore_errors=True)
-            steps = min(plan.adapter_steps, max_steps or plan.adapter_steps)
-            kwargs = dict(base_dir=base_dir, out_dir=folders[-1], style=spec.style, examples=plan.examples(spec.style),
-                          seconds=seconds or plan.adapter_seconds, seed=spec.seed, steps=steps,
-                          min_steps=plan.adapter_min_steps,
-                          batch_size=plan.batch_size, lr=plan.lr, target_modules=plan.target_modules,
-                          progress=False, extra={"base_sha256": base_sha256, "base": plan.slug})
+            pairs = plan.examples(spec.style)
+            count, epochs = schedule(len(pairs), plan.batch_size, min(plan.adapter_steps, max_steps or plan.adapter_steps))
+            runs = [(count, epochs)]
             if spec.early_version_at is not None:
-                kwargs["early"] = (spec.early_version_at, folders[0])
-            label = f"{spec.tenant}/{spec.name} ({spec.style}" + (", v1 saved early)" if len(folders) > 1 else ")")
-            todo.append((label, kwargs))
-        if not todo:
-            return out
-        import queue
-        from concurrent.futures import ProcessPoolExecutor
-        from multiprocessing import get_context
-
-        from tqdm.auto import tqdm
-
-        # All at once: see the docstring. One bar over every run's steps, fed by the runs through a queue.
-        ctx = get_context("spawn")
-        with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=len(todo), mp_context=ctx) as pool, \
-                tqdm(total=sum(kw["steps"] for _, kw in todo), desc=f"train {len(todo)} adapters at once",
-                     unit="step", disable=not self.progress) as bar:
-            steps = manager.Queue()
-            futures = {pool.submit(_train_one, kwargs, steps): label for label, kwargs in todo}
-            pending = set(futures)
-            while pending:
-                try:
-                    steps.get(timeout=0.5)
-                    bar.update(1)
-                except queue.Empty:
-                    pass
-                for future in [f for f in pending if f.done()]:
-                    pending.discard(future)
-                    r = future.result()
-                    bar.write(f"    {futures[future]}: {r.steps} steps in {r.seconds:.0f} s, loss "
-                              f"{r.first_loss:.2f} -> {r.final_loss:.2f}", file=self.stdout)
+                early_epochs = max(1, round(epochs * spec.early_version_at))
+                runs.insert(0, (count, early_epochs) if early_epochs < epochs
+                            else (max(1, round(count * spec.early_version_at)), 1))
+            for number, (n, n_epochs) in enumerate(runs, start=1):
+                path = root / f"{spec.tenant}-{spec.name}-v{number}.jsonl"
+                text = "".join(json.dumps(e) + "\n" for e in training.chat_examples(pairs[:n]))
+                if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                    path.write_text(text, encoding="utf-8")
+                out[(spec.tenant, spec.name, number)] = (path, n_epochs)
         return out
 
-    def _upload(self, trained: dict, tenants: dict, users: dict, base) -> None:
-        """Upload each trained folder unless a version with exactly these weights exists already."""
+    def _fine_tune(self, plan: DemoBase, datasets: dict, copies: Path, tenants: dict, users: dict, base) -> None:
+        """One fine-tuning job per adapter version not in place yet, run here by the trainer's own function."""
         from adapters.models import Adapter
-        from adapters.services import create_adapter
-        from adapters.uploads import create_adapter_version
 
         for spec in DEMO_ADAPTERS:
             tenant, owner = tenants[spec.tenant], users[ADAPTERS_UPLOADED_BY[spec.tenant]]
@@ -287,23 +257,53 @@ class Command(BaseCommand):
                     f"The demo adapter {spec.tenant}/{spec.name} belongs to base {adapter.base.slug}, and this demo "
                     f"runs on {base.slug}. Start the demo over with `make demo DEMO_ARGS=--reset` (or "
                     f"`manage.py demo_setup --reset`); an imported base is kept.")
-            if adapter is None:
-                adapter = create_adapter(tenant, spec.name, base, created_by=owner, description=spec.description)
-            for number in range(1, spec.versions + 1):
-                folder = trained[(spec.tenant, spec.name, number)]
-                weights = folder / "adapter_model.safetensors"
-                sha256 = hashlib.sha256(weights.read_bytes()).hexdigest()
-                existing = adapter.versions.filter(sha256=sha256).first()
-                if existing is not None:
-                    self.stdout.write(f"    {spec.tenant}/{spec.name}: v{existing.number} uploaded already")
-                    continue
-                with open(folder / "adapter_config.json", "rb") as config, open(weights, "rb") as blob:
-                    # The last trained version goes live; earlier ones stay for rollback.
-                    version = create_adapter_version(adapter, config_file=config, weights_file=blob,
-                                                     created_by=owner,
-                                                     activate=True if number == spec.versions else None)
-                self.stdout.write(f"    {spec.tenant}/{spec.name}: uploaded v{version.number} ({version.sha256[:12]}, "
-                                  f"rank {version.rank}, {version.size_bytes // 1024} KiB)")
+            done = adapter.versions.count() if adapter is not None else 0
+            if done >= spec.versions:
+                self.stdout.write(f"    {spec.tenant}/{spec.name}: trained already ({done} version(s))")
+                continue
+            for number in range(done + 1, spec.versions + 1):
+                path, n_epochs = datasets[(spec.tenant, spec.name, number)]
+                job = self._run_job(plan, spec, tenant, owner, base, path, n_epochs,
+                                    copy_to=copies / f"{spec.tenant}-{spec.name}-v{number}",
+                                    last=number == spec.versions)
+                self.stdout.write(f"    {spec.tenant}/{spec.name}: {job.public_id} -> {job.fine_tuned_model} "
+                                  f"({job.result_version.sha256[:12]}, {job.result_version.provenance.steps} steps in "
+                                  f"{(job.finished_at - job.started_at).total_seconds():.0f} s, train loss "
+                                  f"{job.result_version.provenance.train_loss:.2f})")
+
+    def _run_job(self, plan: DemoBase, spec, tenant, owner, base, path: Path, n_epochs: int, *, copy_to: Path,
+                 last: bool):
+        from django.core.files import File
+
+        from finetune import training as core
+        from finetune.files import create_training_file
+        from finetune.jobs import create_job
+        from finetune.models import FineTuningJob, JobStatus
+        from finetune.params import JobParams
+        from finetune.trainer import run_job, trainer_id
+        from gateway.errors import ApiError
+        from transport.replies import ensure_local_folders
+
+        ensure_local_folders()  # the embedded broker's folders: creating a job queues it there
+        logging.getLogger("kombu.connection").setLevel(logging.ERROR)  # "No hostname was supplied" (files need none)
+        try:
+            with open(path, "rb") as fh:
+                file = create_training_file(tenant, File(fh, name=path.name), purpose="fine-tune", base=base)
+            params = JobParams(model=base.slug, training_file=file.public_id, suffix=spec.name, seed=spec.seed,
+                               n_epochs=n_epochs, batch_size=plan.batch_size,
+                               learning_rate_multiplier=plan.lr / settings.LORAFLEET_FINETUNE_BASE_LEARNING_RATE,
+                               rank=8, alpha=16, target_modules=tuple(plan.target_modules),
+                               auto_activate=last, metadata={"created_by": "demo_setup"})
+            job = create_job(tenant, params, created_by=owner)
+        except ApiError as err:
+            raise CommandError(f"{spec.tenant}/{spec.name}: the fine-tuning job was refused: {err.message}") from None
+        status = run_job(job.public_id, owner=f"{trainer_id(base.slug)}/demo_setup",
+                         core=_Progress(core, f"{spec.tenant}/{spec.name}", copy_to, self.progress))
+        job = FineTuningJob.objects.select_related("result_version__provenance").get(pk=job.pk)
+        if status != JobStatus.SUCCEEDED:
+            raise CommandError(f"{spec.tenant}/{spec.name}: fine-tuning job {job.public_id} {job.status}: "
+                               f"{job.error_message or 'see its events'}")
+        return job
 
     def _keys(self, tenants: dict, users: dict, state: dict) -> None:
         from gateway.keys import KeyRejected, authenticate_api_key
@@ -322,9 +322,37 @@ class Command(BaseCommand):
             self.stdout.write(f"    {slug}: issued a new API key")
 
 
-def _train_one(kwargs: dict, steps) -> training.TrainReport:
-    """Runs in a spawned process (no Django there: training is Django-free); puts a token on `steps` per step."""
-    return training.train_style_adapter(**kwargs, on_step=lambda: steps.put(1))
+class _Progress:
+    """The training core as the trainer uses it, with a progress bar over the job's steps, and a copy of the adapter
+    folder kept where the demo's tests and notebooks look for it (the trainer's own folder is temporary)."""
+
+    def __init__(self, core, label: str, copy_to: Path, progress: bool):
+        self.core, self.label, self.copy_to, self.progress = core, label, copy_to, progress
+        self.TrainSettings, self.Cancelled = core.TrainSettings, core.Cancelled
+        self.TRAINER_VERSION = core.TRAINER_VERSION
+
+    def train_lora(self, *args, on_event, **kwargs):
+        from tqdm.auto import tqdm
+
+        bar = None
+
+        def tee(event: dict) -> None:
+            nonlocal bar
+            if event.get("type") == "metrics" and self.progress:
+                if bar is None:
+                    bar = tqdm(total=event["total_steps"], desc=f"train {self.label}", unit="step")
+                bar.n = event["step"]
+                bar.set_postfix(loss=f"{event['train_loss']:.3f}")
+            on_event(event)
+
+        try:
+            result = self.core.train_lora(*args, on_event=tee, **kwargs)
+        finally:
+            if bar is not None:
+                bar.close()
+        shutil.rmtree(self.copy_to, ignore_errors=True)
+        shutil.copytree(result.adapter_dir, self.copy_to)
+        return result
 
 
 def _read_state(path: Path) -> dict:
