@@ -25,8 +25,8 @@ as it takes to know: a tenant who sends megabytes pays a few milliseconds of the
   every tenant. Turns are also paced: after a turn that took t seconds, the key's and the tenant's next one
   starts no sooner than LARGE_BODY_REST * t later, so that one tenant's large bodies take at most about half
   of a web process's time, not all of it (issue 47, tests/reliability/test_megabyte_prompts.py on the shared
-  2-core box: another tenant's latency during waves of 60 concurrent 2 MB prompts 1.34-1.82x its solo value
-  in four runs with the rest, 2.03-2.57x in four without).
+  2-core box: another tenant's latency during waves of 60 concurrent 2 MB prompts 1.29-1.82x its solo value
+  in seven runs with the rest, 1.71-2.57x in five without).
 """
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ processes (psutil: CPU time, not wall time; resident memory), asserted at the is
 - the web's RSS after seven waves is within 150 MB of before the first (the process has already answered 60
   concurrent small requests, so its threads exist before and after).
 
-2026-12-07, this 2-core box shared with other sessions (load average 7-10): 1.34-1.82x, 14-18 ms, RSS +29 to
-+78 MB in four runs. Without the rest between a key's large-body turns (gateway/input_bounds.py's
-LARGE_BODY_REST) the other tenant waited 2.03-2.57x in four runs; before the turns, 7.2x. Before
+2026-12-07, this 2-core box shared with other sessions (load average 5-10): 1.29-1.82x, 12-20 ms, RSS +29 to
++78 MB in seven runs. Without the rest between a key's large-body turns (gateway/input_bounds.py's
+LARGE_BODY_REST) the other tenant waited 1.71-2.57x in five runs; before the turns, 7.2x. Before
 gateway/middleware.py's release_body the RSS grew +300 to +420 MB: DRF's request and view refer to each other,
 so each request's 2 MB body lived until the cyclic collector's next full pass (tracemalloc in the gunicorn
 worker: 140 bodies, 270 MB alive after the waves); MALLOC_ARENA_MAX=2 or a fixed mmap threshold changed nothing.
