@@ -35,6 +35,7 @@ CROSS_TENANT = ("other_user", "other_key")
 LOGIN = "login"            # 302 to /login/
 ADMIN_LOGIN = "admin_login"  # 302 to /admin/login/
 REDIRECT = "redirect"      # 302 somewhere other than a login page
+_ANY_BUT_AUTH = "any_but_auth"  # neither refused nor hidden (the row's file has no bytes in storage: a 503 says so)
 
 
 @dataclass
@@ -281,6 +282,34 @@ ACTIONS: list[Action] = [
            _api(200, 404), api=True),
     Action("gateway:model-detail", "GET", lambda r: reverse("gateway:model-detail", args=["acme-only@1"]),
            _api(200, 404), api=True),
+    # --- the Files and fine-tuning API (OpenAI's shape; finetune/): keys only, another tenant's object is a 404
+    Action("finetune:files", "GET", lambda r: reverse("finetune:files"), _api(200, 200), api=True,
+           check=lambda r, c, resp: c != "other_key" or _acme_job(r).training_file.public_id.encode() not in resp.content),
+    # a JSON body where a multipart upload belongs: refused by what is wrong with it, after the key is accepted
+    Action("finetune:files", "POST", lambda r: reverse("finetune:files"), _api(400, 400), api=True,
+           data=lambda r: {"purpose": "fine-tune"}, check=lambda r, c, resp: _json_error(resp)),
+    Action("finetune:file-detail", "GET",
+           lambda r: reverse("finetune:file-detail", args=[_acme_job(r).training_file.public_id]), _api(200, 404),
+           api=True),
+    Action("finetune:file-content", "GET",
+           lambda r: reverse("finetune:file-content", args=[_acme_job(r).training_file.public_id]),
+           {**_api(None, 404), "same_key": _ANY_BUT_AUTH}, api=True),
+    Action("finetune:jobs", "GET", lambda r: reverse("finetune:jobs"), _api(200, 200), api=True,
+           check=lambda r, c, resp: c != "other_key" or _acme_job(r).public_id.encode() not in resp.content),
+    # naming acme's base and file: acme's key gets past both (and is refused for the rank, so nothing is queued),
+    # another's is a 404
+    Action("finetune:jobs", "POST", lambda r: reverse("finetune:jobs"), _api(400, 404), api=True,
+           data=lambda r: {"model": r.base.slug, "training_file": _acme_job(r).training_file.public_id,
+                           "lora": {"rank": 4096}},
+           check=lambda r, c, resp: _json_error(resp)),
+    Action("finetune:job-detail", "GET", lambda r: reverse("finetune:job-detail", args=[_acme_job(r).public_id]),
+           _api(200, 404), api=True),
+    Action("finetune:job-events", "GET", lambda r: reverse("finetune:job-events", args=[_acme_job(r).public_id]),
+           _api(200, 404), api=True),
+    # other_key before same_key would prove nothing after a cancel: CALLERS has same_key first, so other_key asks
+    # to cancel a job that still exists (cancelled jobs stay)
+    Action("finetune:job-cancel", "POST", lambda r: reverse("finetune:job-cancel", args=[_acme_job(r).public_id]),
+           _api(200, 404), api=True),
     # any other /v1/ path: a JSON 404 whoever asks (it names no object, so it needs no credentials)
     Action("gateway:unknown", "POST", lambda r: "/v1/embeddings", _everyone(404), data=lambda r: COMPLETION,
            api=True, check=lambda r, c, resp: _json_error(resp)),
@@ -357,7 +386,9 @@ def _assert_cell(action: Action, caller: str, response) -> None:
     got = response.status_code
     where = f"{action.method} {action.route} as {caller}"
     location = response.get("Location", "")
-    if want == LOGIN:
+    if want == _ANY_BUT_AUTH:  # the key is accepted; what follows is not an authorisation matter
+        assert got not in (401, 403, 404), f"{where}: {got}: {response.content[:300]!r}"
+    elif want == LOGIN:
         assert got == 302 and location.startswith("/login/"), f"{where}: {got} {location}"
     elif want == ADMIN_LOGIN:
         assert got == 302 and location.startswith("/admin/login/"), f"{where}: {got} {location}"

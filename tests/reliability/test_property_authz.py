@@ -157,6 +157,10 @@ READ_ONLY = {"tenants:login", "tenants:home", "tenants:invitations", "adapters:l
              "adapters:usage", "adapters:audit", "adapters:capacity", "operator:workers", "metrics", "schema", "api-docs",
              "gateway:models", "gateway:model-detail", "gateway:unknown"}  # unknown: a JSON 404 for any method
 API_WRITES = {"gateway:completions", "gateway:chat-completions"}
+# the Files and fine-tuning API: uploads, deletes, jobs and cancels write (tests/finetune covers what they write and
+# that another tenant's objects are 404); the rest read
+API_WRITES |= {"finetune:files", "finetune:file-detail", "finetune:jobs", "finetune:job-cancel"}
+READ_ONLY |= {"finetune:file-content", "finetune:job-detail", "finetune:job-events"}
 # The fine-tuning pages: two read, three write (test_fine_tuning_pages_ignore_extra_fields covers the writes)
 READ_ONLY |= {"finetuning:jobs", "finetuning:job"}
 FINETUNE_WRITES = {"finetuning:upload", "finetuning:create", "finetuning:cancel"}
