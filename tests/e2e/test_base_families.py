@@ -5,8 +5,8 @@ gate_up_proj, not renamed) through the dashboard's upload endpoint; a chat with 
 answers with the tokens transformers + PEFT's greedy generate gives for the same rendered prompt (not those of the
 base alone), and the audit row names the adapter, the version and the weights served.
 
-A family is one FAMILIES entry: demo.tiny_base's arch, its shape, the config.json changes that switch its features
-on, and the PEFT target modules in its own names.
+A family is one FAMILIES entry: demo.tiny_base's arch (demo.tiny_gemma's for Gemma 2 and 3), its shape, the
+config.json changes that switch its features on, and the PEFT target modules in its own names.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from demo.tiny_base import build_tiny_base
+from demo.tiny_gemma import GEMMA_ARCHITECTURES, build_tiny_gemma
 from protocol.jobs import adapter_identity
 from tests.support.peft_factory import make_random_peft_adapter
 
@@ -39,8 +40,8 @@ def _longrope(half: int) -> dict:
 
 @dataclass(frozen=True)
 class Family:
-    arch: str  # demo.tiny_base's arch
-    shape: dict  # build_tiny_base's shape arguments
+    arch: str  # demo.tiny_base's arch, or demo.tiny_gemma's ("gemma2", "gemma3")
+    shape: dict  # build_tiny_base's (build_tiny_gemma's) shape and feature arguments
     targets: tuple[str, ...]  # PEFT target_modules, in the family's own names
     config: dict = field(default_factory=dict)  # config.json changes: the family's features switched on
 
@@ -58,6 +59,22 @@ FAMILIES = [
                         ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
                         dict(sliding_window=8, rope_parameters=_longrope(8), original_max_position_embeddings=128,
                              max_position_embeddings=512)), id="phi3"),
+    # Gemma 2: attention logit soft-capping (4) and final logit soft-capping (6), small enough to bite; layers 0 and 2
+    # sliding (window 6) beside global 1 and 3; query_pre_attn_scalar 20 beside head_dim 24 (q_proj 64 -> 96); GeGLU;
+    # (1 + w) pre- and post-norms; the head tied to the embedding table as real Gemmas have it
+    pytest.param(Family("gemma2", dict(hidden=64, heads=4, kv_heads=2, head_dim=24, layers=4, intermediate=96,
+                                       sliding_window=6, attn_softcap=4.0, final_softcap=6.0,
+                                       tie_embeddings=True), ALL_SEVEN), id="gemma2"),
+    # Gemma 3 (model_type gemma3_text): q/k norms, layers 0, 1 and 3 sliding (window 6) rotating with the local base
+    # (10,000), the global layer 2 with the global base (1,000,000) and linear scaling x4; final soft-capping (6;
+    # Gemma 3 applies no attention soft-capping, as transformers does not); tied head
+    pytest.param(Family("gemma3", dict(hidden=64, heads=4, kv_heads=2, head_dim=24, layers=4, intermediate=96,
+                                       sliding_window=6, attn_softcap=None, final_softcap=6.0,
+                                       layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                    "sliding_attention"],
+                                       rope_theta=1_000_000.0, local_rope_theta=10_000.0,
+                                       rope_scaling={"rope_type": "linear", "factor": 4.0}, tie_embeddings=True),
+                        ALL_SEVEN), id="gemma3_text"),
 ]
 
 MESSAGES = [{"role": "system", "content": "You answer questions about bicycles in one sentence."},
@@ -66,7 +83,8 @@ MAX_TOKENS = 12
 
 
 def build_base(family: Family, folder) -> object:
-    path = build_tiny_base(folder, arch=family.arch, seed=5, **family.shape)
+    build = build_tiny_gemma if family.arch in GEMMA_ARCHITECTURES else build_tiny_base
+    path = build(folder, arch=family.arch, seed=5, **family.shape)
     if family.config:
         cfg = json.loads((path / "config.json").read_text())
         cfg.update(family.config)
