@@ -124,6 +124,41 @@ _PRESET_CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    # https://huggingface.co/google/gemma-2-9b/blob/main/config.json (head_dim 256 beside hidden 3584 / 16 heads).
+    # That file does not write tie_word_embeddings: transformers' Gemma default (True) is written here, as the
+    # checkpoint has no lm_head.weight.
+    "gemma-2-9b": {
+        "model_type": "gemma2",
+        "hidden_size": 3584,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 42,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "vocab_size": 256000,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    },
+    # https://huggingface.co/google/gemma-3-1b-pt/blob/main/config.json (the text-only Gemma 3, Gemma3ForCausalLM;
+    # the 4B-27B checkpoints are vision-language models, not served), tied as above
+    "gemma-3-1b": {
+        "model_type": "gemma3_text",
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 262144,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    },
 }
 PRESET_NAMES = tuple(_PRESET_CONFIGS)
 
@@ -188,12 +223,14 @@ def base_parameter_count(manifest: dict) -> int:
           + (0 if tie_word_embeddings else V*h)   lm_head
           + L * ( sum over the 7 projections of in*out
                   + (H*hd + 2*KV*hd if qwen2)     Qwen2's q/k/v projections carry a bias
-                  + (2*hd if qwen3)               Qwen3's per-head RMSNorm weights on q and k
-                  + 2*h )                         input and post-attention RMSNorm weights
+                  + (2*hd if qwen3, gemma3_text)  the per-head RMSNorm weights on q and k
+                  + n*h )                         the layer's RMSNorm weights: n = the family's norms_per_layer, 2
+                                                  (input, post-attention), Gemma's 4 (pre- and post-attention,
+                                                  pre- and post-feedforward)
           + h                                     final RMSNorm
 
-    Llama-2-7B gives 6,738,415,616, Llama-3-8B 8,030,261,248, Mistral-7B 7,241,732,096 and
-    Qwen2-7B 7,615,616,512 — the counts their model cards publish.
+    Llama-2-7B gives 6,738,415,616, Llama-3-8B 8,030,261,248, Mistral-7B 7,241,732,096, Qwen2-7B 7,615,616,512,
+    Gemma-2-9B 9,241,705,984 and Gemma-3-1B 999,885,952 — the counts their model cards publish.
     """
     h = manifest["hidden_size"]
     vocab = manifest["vocab_size"]
@@ -204,7 +241,7 @@ def base_parameter_count(manifest: dict) -> int:
     hd = manifest["head_dim"]
     qkv_bias = (manifest["num_attention_heads"] + 2 * manifest["num_key_value_heads"]) * hd if family.qkv_bias else 0
     qk_norm = 2 * hd if family.qk_norm else 0
-    per_layer = projections + qkv_bias + qk_norm + 2 * h
+    per_layer = projections + qkv_bias + qk_norm + family.norms_per_layer * h
     return embeddings + layers * per_layer + h
 
 

@@ -43,10 +43,36 @@ from adapters.capacity import (
         #              3*3584*18944 = 203,685,888; norms 7,168  -> 233,057,792;  *28 = 6,525,618,176
         #   total 1,089,994,752 + 6,525,618,176 + 3,584 = 7,615,616,512
         ("qwen2-7b", 7_615_616_512),
+        # Gemma-2-9B: V=256000 h=3584 i=14336 L=42 H=16 KV=8 hd=256, tied, four RMSNorms a layer.
+        #   embeddings 256000*3584 = 917,504,000 (once: the head is the table)
+        #   per layer  2*3584*4096 (q,o) + 2*3584*2048 (k,v) = 44,040,192 + 3*3584*14336 = 154,140,672
+        #              + 4*3584 norms = 14,336 -> 198,195,200;  *42 = 8,324,198,400
+        #   total 917,504,000 + 8,324,198,400 + 3,584 = 9,241,705,984 (with 2 norms a layer: 150,528 fewer)
+        ("gemma-2-9b", 9_241_705_984),
+        # Gemma-3-1B: V=262144 h=1152 i=6912 L=26 H=4 KV=1 hd=256, tied, q/k norms [256] each, four RMSNorms.
+        #   embeddings 262144*1152 = 301,989,888
+        #   per layer  2*1152*1024 + 2*1152*256 = 2,949,120 + 3*1152*6912 = 23,887,872 + q/k norms 512
+        #              + 4*1152 = 4,608 -> 26,842,112;  *26 = 697,894,912
+        #   total 301,989,888 + 697,894,912 + 1,152 = 999,885,952
+        ("gemma-3-1b", 999_885_952),
     ],
 )
 def test_preset_base_parameter_count_matches_the_published_count(preset, expected):
     assert base_parameter_count(preset_manifest(preset)) == expected
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_gemma_checkpoints_formula_count_is_what_its_safetensors_hold(tmp_path, arch, tied):
+    """Gemma's layers hold four RMSNorms (and Gemma 3 the q/k norms): the formula, which plans a base registered
+    from a config alone, counts what a Gemma checkpoint's safetensors headers say it holds."""
+    from adapters.manifest import shape_manifest_from_checkpoint
+    from demo.tiny_gemma import build_tiny_gemma
+
+    manifest = shape_manifest_from_checkpoint(build_tiny_gemma(tmp_path / arch, arch=arch, tie_embeddings=tied))
+    assert manifest["tie_word_embeddings"] is tied
+    assert manifest["num_parameters"] > 0
+    assert base_parameter_count(manifest) == manifest["num_parameters"]
 
 
 def test_a_checkpoints_own_parameter_count_wins_over_the_formula():
