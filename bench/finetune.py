@@ -1,7 +1,8 @@
 """Fine-tuning (issue 50) on SmolLM2-135M-Instruct: the training core's speed against a plain transformers + PEFT
 loop, and the time from `files.create` to the first answer of the new adapter on the real stack.
 
-    .venv/bin/python bench/finetune.py [--only speed,e2e] [--speed-examples 64] [--rounds 2] [--epochs 1] [--json f]
+    .venv/bin/python bench/finetune.py [--only speed,e2e,latency] [--speed-examples 64] [--rounds 2] [--epochs 1]
+        [--latency-pairs 16] [--json f]
     make bench-finetune
 
 - speed: the same chat examples (the demo's styles, demo/styles.py), the same LoRA (r=8, alpha 16 on q/k/v/o), the
@@ -15,6 +16,13 @@ loop, and the time from `files.create` to the first answer of the new adapter on
   and Redis (as tests/finetune/test_real_stack.py); with the official `openai` client: files.create (200 examples)
   -> fine_tuning.jobs.create -> poll retrieve -> chat.completions.create(model=job.fine_tuned_model) answers. The
   seconds from before files.create to the first answer, split into upload, queue wait, training and first answer.
+- latency: the same stack; tenant B fine-tunes (a job long enough to outlast the measurement, cancelled after)
+  while tenant A asks the base a one-line question (max_tokens 32, greedy, ignore_eos: 32 tokens every time).
+  A's requests come in pairs, one with the trainer stopped (SIGSTOP to its process group: "solo") and one with it
+  training (SIGCONT, then a second for its threads to be back on the cores: "during"), the order alternating pair
+  by pair, so a change in the host's other load falls on both sides. Twice, each with a fresh trainer: at
+  LORAFLEET_TRAINER_NICE=0 (the trainer as nice as the worker) and at the default (10). The figure is the ratio
+  during / solo of A's request seconds, median and p95, within each trainer's own pairs.
 
 OMP_WAIT_POLICY=PASSIVE; other processes may share the CPUs: the load average is printed with the figures.
 """
@@ -27,6 +35,7 @@ import math
 import os
 import platform
 import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -240,14 +249,135 @@ def e2e(args) -> dict:
             admin.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
 
 
+# --- another tenant's latency while a job trains ---------------------------------------------------------
+
+
+LATENCY_SEED = SEED + """
+from finetune.models import FineTuneLimits
+trainee = create_tenant("bench-b-" + SUFFIX, "Bench B")
+FineTuneLimits.objects.create(tenant=trainee, max_concurrent_jobs=4, max_tokens_per_job=10**9,
+                              max_tokens_per_day=10**10)
+result["trainee_key"] = issue_api_key(trainee, "bench")[1]
+"""
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _trainer_pass(stack, env: dict, root: Path, key: str, trainee_key: str, nice: str, args) -> dict:
+    """One trainer at LORAFLEET_TRAINER_NICE=`nice`: a long job of tenant B, pairs of tenant A's requests."""
+    import signal
+
+    import openai
+
+    from tests.e2e.conftest import PYTHON, Proc, wait_until
+
+    trainer = Proc(f"trainer-nice{nice}", [PYTHON, "manage.py", "run_trainer", "--base", SLUG],
+                   {**env, "LORAFLEET_TRAINER_NICE": nice}, root)
+    stack.procs.append(trainer)
+    a = openai.OpenAI(base_url=stack.web_url + "/v1", api_key=key, max_retries=0, timeout=300)
+    b = openai.OpenAI(base_url=stack.web_url + "/v1", api_key=trainee_key, max_retries=0, timeout=300)
+    try:
+        wait_until(lambda: "ready" in trainer.tail(20000), 180, "trainer ready", (trainer,))
+        line = next(x for x in trainer.tail(20000).splitlines() if "one job at a time" in x)
+        data = b"".join(json.dumps(e).encode() + b"\n" for e in dataset(64))
+        uploaded = b.files.create(file=("long.jsonl", data), purpose="fine-tune")
+        job = b.fine_tuning.jobs.create(training_file=uploaded.id, model=SLUG, suffix=f"long{nice}", seed=1,
+                                        hyperparameters={"n_epochs": 50, "batch_size": 8})
+
+        def training() -> bool:  # the model is loaded and steps are being taken
+            return any(e.type == "metrics" for e in b.fine_tuning.jobs.list_events(job.id, limit=5).data)
+
+        wait_until(training, 300, "the job's first step", (trainer,))
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+
+        def ask() -> float:
+            t0 = time.perf_counter()
+            reply = a.chat.completions.create(model=f"base/{SLUG}", messages=question, max_tokens=32,
+                                              temperature=0, extra_body={"ignore_eos": True})
+            seconds = time.perf_counter() - t0
+            assert reply.usage.completion_tokens == 32, reply.usage
+            return seconds
+
+        def stopped(flag: bool) -> None:
+            os.killpg(trainer.popen.pid, signal.SIGSTOP if flag else signal.SIGCONT)
+            time.sleep(0.3 if flag else 1.0)  # a resumed trainer's threads back on the cores
+
+        ask()  # warm-up
+        solo: list[float] = []
+        during: list[float] = []
+        load = [os.getloadavg()[0]]
+        for pair in range(args.latency_pairs):
+            for trains in ((False, True) if pair % 2 == 0 else (True, False)):
+                stopped(not trains)
+                (during if trains else solo).append(ask())
+            stopped(False)
+            load.append(os.getloadavg()[0])
+        job = b.fine_tuning.jobs.retrieve(job.id)
+        assert job.status == "running", f"the job ended during the measurement: {job.status} {job.error}"
+        b.fine_tuning.jobs.cancel(job.id)
+        wait_until(lambda: b.fine_tuning.jobs.retrieve(job.id).status == "cancelled", 120, "the cancel", (trainer,))
+    finally:
+        if trainer.alive():
+            os.killpg(trainer.popen.pid, signal.SIGCONT)
+        trainer.stop()
+        stack.procs.remove(trainer)
+    out = {"trainer": line.split(": ", 1)[-1], "pairs": len(solo),
+           "solo_median_s": round(statistics.median(solo), 3), "solo_p95_s": round(_pct(solo, 0.95), 3),
+           "during_median_s": round(statistics.median(during), 3), "during_p95_s": round(_pct(during, 0.95), 3),
+           "load_min": round(min(load), 2), "load_max": round(max(load), 2)}
+    out["ratio_median"] = round(out["during_median_s"] / out["solo_median_s"], 3)
+    out["ratio_p95"] = round(out["during_p95_s"] / out["solo_p95_s"], 3)
+    print(f"  LORAFLEET_TRAINER_NICE={nice} ({out['trainer']}): tenant A's 32-token chat, {len(solo)} pairs: solo "
+          f"median {out['solo_median_s']} s p95 {out['solo_p95_s']} s; while B trains median "
+          f"{out['during_median_s']} s p95 {out['during_p95_s']} s; ratio median {out['ratio_median']}x, p95 "
+          f"{out['ratio_p95']}x (load {out['load_min']}-{out['load_max']})", flush=True)
+    return out
+
+
+def latency(args) -> dict:
+    from tests.e2e.conftest import ADMIN_DB_URL, PYTHON, REDIS_URL, Stack, _db_url, pg_connect
+
+    base = smollm2_base()
+    root = Path(tempfile.mkdtemp(prefix="lorafleet-bench-ftlat-"))
+    suffix = secrets.token_hex(3)
+    db_name = f"lorafleet_bench_ftlat_{suffix}"
+    with pg_connect(ADMIN_DB_URL) as admin:
+        admin.execute(f'CREATE DATABASE "{db_name}"')
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "PYTHONPATH": str(REPO),
+           "DATABASE_URL": _db_url(db_name), "CELERY_BROKER_URL": REDIS_URL.rsplit("/", 1)[0] + "/13",
+           "LORAFLEET_VAR_DIR": str(root / "var"), "LORAFLEET_STORAGE_DIR": str(root / "storage"),
+           "LORAFLEET_LOG_LEVEL": "WARNING"}
+    env.pop("CELERY_RESULT_BACKEND", None)
+    env.pop("LORAFLEET_TRAINER_NICE", None)
+    stack = Stack(root, env)
+    try:
+        out = subprocess.run([PYTHON, "manage.py", "migrate", "--noinput"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        seeded = stack.django(f"SLUG, CHECKPOINT, SUFFIX = {SLUG!r}, {str(base)!r}, {suffix!r}\n" + LATENCY_SEED)
+        stack.start_web()
+        stack.start_worker(SLUG)
+        return {"pairs": args.latency_pairs, "max_tokens": 32,
+                **{f"nice_{nice}": _trainer_pass(stack, env, root, seeded["key"], seeded["trainee_key"], nice, args)
+                   for nice in ("0", "10")}}
+    finally:
+        stack.close()
+        with pg_connect(ADMIN_DB_URL) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="speed,e2e")
+    parser.add_argument("--only", default="speed,e2e,latency")
     parser.add_argument("--speed-examples", type=int, default=64, help="examples for the speed comparison")
     parser.add_argument("--e2e-examples", type=int, default=200, help="examples in the end-to-end dataset")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="speed: timed runs of each, best kept")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the core's default)")
+    parser.add_argument("--latency-pairs", type=int, default=16, help="latency: solo/during request pairs per trainer")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     if "DJANGO_SETTINGS_MODULE" not in os.environ:
@@ -265,6 +395,8 @@ def main() -> None:
         figures["speed"] = speed(args)
     if "e2e" in only:
         figures["e2e"] = e2e(args)
+    if "latency" in only:
+        figures["latency"] = latency(args)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 

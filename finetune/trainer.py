@@ -15,6 +15,9 @@ training queue. Invariants:
   provenance and the job's `succeeded`, and that first checks, under the job's row lock, that the job is still
   running under this trainer. A trainer killed anywhere before that commit leaves no adapter, no version and no
   provenance (at most an unreferenced blob); a job cancelled meanwhile publishes nothing.
+- On a CPU host the trainer runs at a lower scheduling priority (`LORAFLEET_TRAINER_NICE`, default 10 nicer) than the
+  inference worker it shares the cores with, so a tenant's chat latency barely moves while another trains
+  (bench/RESULTS.md); training's arithmetic is unchanged (the same threads, the same order of sums).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from pathlib import Path
 from types import ModuleType
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -46,6 +50,46 @@ from .models import AdapterProvenance, FineTuningJob, JobEvent, JobStatus
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.5
+DEFAULT_TRAINER_NICE = 10
+
+
+def trainer_nice() -> int:
+    """LORAFLEET_TRAINER_NICE: how much nicer than it was started a CPU trainer runs, 0 (leave it) to 19; default
+    10 (as `nice -n 10`)."""
+    raw = os.environ.get("LORAFLEET_TRAINER_NICE", "").strip()
+    if not raw:
+        return DEFAULT_TRAINER_NICE
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise ImproperlyConfigured(f"LORAFLEET_TRAINER_NICE must be a whole number from 0 (leave the priority as it "
+                                   f"is) to 19 (the lowest), got {raw!r}.")
+    return value
+
+
+def yield_cpu_to_inference(increment: int) -> int:
+    """Make this process `increment` nicer than it is (as `nice -n`, at most 19) and return its niceness.
+
+    Linux keeps a nice value per thread and a new thread inherits its creator's, so every thread alive now is
+    lowered here, and the threads started later (torch's OpenMP pool, the heartbeat) inherit it from the main
+    thread. Being relative, the trainer stays below an inference worker started the same way (both under
+    `nice -n 5`, say)."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    target = min(19, current + increment)
+    if target <= current:
+        return current
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc (not Linux): the process-wide call is all there is
+        tids = [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def trainer_id(base_slug: str) -> str:

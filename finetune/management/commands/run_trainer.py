@@ -4,9 +4,18 @@ Consumes the base's training queue (`train.<slug>`, finetune/queue.py) with Cele
 in this process, never inside an inference worker (training takes its own memory and compute, not the engine's).
 Start as many as the hosts have room for; each takes the next queued job. At start it fails the base's running
 jobs whose trainer stopped beating (finetune/jobs.py reap_lost_jobs).
+
+On the CPU the trainer shares the cores with the inference worker, so it yields them: it runs
+LORAFLEET_TRAINER_NICE nicer than it was started (default 10, as `nice -n 10`; 0 leaves it) and its OpenMP threads
+sleep when idle (OMP_WAIT_POLICY=PASSIVE unless set), both set before torch is loaded. The thread count, hence the
+arithmetic, is unchanged. On CUDA the trainer has its own device and keeps its priority.
 """
 from __future__ import annotations
 
+import os
+import sys
+
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
 from adapters.models import BaseModel
@@ -14,7 +23,7 @@ from finetune import tasks
 from finetune.jobs import reap_lost_jobs
 from finetune.models import FineTuningJob
 from finetune.queue import training_queue
-from finetune.trainer import trainer_id
+from finetune.trainer import trainer_id, trainer_nice, yield_cpu_to_inference
 
 
 class Command(BaseCommand):
@@ -32,11 +41,16 @@ class Command(BaseCommand):
             raise CommandError(f"No base model {opts['base']!r} (known: {known}).")
         if not base.checkpoint_path:
             raise CommandError(f"Base model {base.slug!r} has no local checkpoint_path to train on.")
+        try:
+            nice = trainer_nice()
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from exc
+        priority = self._yield_cpu(nice)
         owner = trainer_id(base.slug)
         tasks.OWNER["id"] = owner
         reaped = reap_lost_jobs(FineTuningJob.objects.filter(base=base))
         queue = training_queue(base.slug)
-        self.stdout.write(f"trainer {owner}: queue {queue}, one job at a time"
+        self.stdout.write(f"trainer {owner}: queue {queue}, one job at a time, {priority}"
                           + (f"; failed {reaped} job(s) whose trainer was lost" if reaped else ""))
         self.stdout.flush()
         from config.celery_app import app
@@ -45,3 +59,15 @@ class Command(BaseCommand):
             "worker", "--queues", queue, "--pool", "solo", "--concurrency", "1", "--hostname", owner,
             "--loglevel", opts["loglevel"], "--without-gossip", "--without-mingle", "--without-heartbeat",
         ])
+
+    @staticmethod
+    def _yield_cpu(nice: int) -> str:
+        """Lower the priority before torch starts its threads (they inherit it); say what the trainer runs at."""
+        if "torch" not in sys.modules:  # OpenMP reads its wait policy once, when torch loads it
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        import torch
+
+        if torch.cuda.is_available():
+            return f"on CUDA at niceness {os.getpriority(os.PRIO_PROCESS, 0)}"
+        return f"on the CPU at niceness {yield_cpu_to_inference(nice)}, OMP_WAIT_POLICY " \
+               f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}"
