@@ -19,10 +19,12 @@ loop, and the time from `files.create` to the first answer of the new adapter on
 - latency: the same stack; tenant B fine-tunes (a job long enough to outlast the measurement, cancelled after)
   while tenant A asks the base a one-line question (max_tokens 32, greedy, ignore_eos: 32 tokens every time).
   A's requests come in pairs, one with the trainer stopped (SIGSTOP to its process group: "solo") and one with it
-  training (SIGCONT, then a second for its threads to be back on the cores: "during"), the order alternating pair
+  training (SIGCONT: "during"), each after the same one-second pause, the order alternating pair
   by pair, so a change in the host's other load falls on both sides. Twice, each with a fresh trainer: at
   LORAFLEET_TRAINER_NICE=0 (the trainer as nice as the worker) and at the default (10). The figure is the ratio
-  during / solo of A's request seconds, median and p95, within each trainer's own pairs.
+  during / solo of A's request seconds, median and p95, within each trainer's own pairs, and the same pair by
+  pair (each pair's two requests ran seconds apart: the steadier figure on a host whose other load moves); with
+  the trainer's steps in the measurement, what the trainer got meanwhile.
 
 OMP_WAIT_POLICY=PASSIVE; other processes may share the CPUs: the load average is printed with the figures.
 """
@@ -303,9 +305,14 @@ def _trainer_pass(stack, env: dict, root: Path, key: str, trainee_key: str, nice
 
         def stopped(flag: bool) -> None:
             os.killpg(trainer.popen.pid, signal.SIGSTOP if flag else signal.SIGCONT)
-            time.sleep(0.3 if flag else 1.0)  # a resumed trainer's threads back on the cores
+            time.sleep(1.0)  # a resumed trainer's threads back on the cores; the same gap before either kind
+
+        def last_step() -> int:
+            metrics = [e for e in b.fine_tuning.jobs.list_events(job.id, limit=20).data if e.type == "metrics"]
+            return max((int(e.data["step"]) for e in metrics), default=0)
 
         ask()  # warm-up
+        step_before, t_before = last_step(), time.perf_counter()
         solo: list[float] = []
         during: list[float] = []
         load = [os.getloadavg()[0]]
@@ -315,6 +322,7 @@ def _trainer_pass(stack, env: dict, root: Path, key: str, trainee_key: str, nice
                 (during if trains else solo).append(ask())
             stopped(False)
             load.append(os.getloadavg()[0])
+        steps, seconds = last_step() - step_before, time.perf_counter() - t_before
         job = b.fine_tuning.jobs.retrieve(job.id)
         assert job.status == "running", f"the job ended during the measurement: {job.status} {job.error}"
         b.fine_tuning.jobs.cancel(job.id)
@@ -330,10 +338,17 @@ def _trainer_pass(stack, env: dict, root: Path, key: str, trainee_key: str, nice
            "load_min": round(min(load), 2), "load_max": round(max(load), 2)}
     out["ratio_median"] = round(out["during_median_s"] / out["solo_median_s"], 3)
     out["ratio_p95"] = round(out["during_p95_s"] / out["solo_p95_s"], 3)
+    # each pair's two requests ran seconds apart, under nearly the same other load: their ratio is the steadier one
+    paired = [d / s for d, s in zip(during, solo, strict=True)]
+    out["paired_ratio_median"] = round(statistics.median(paired), 3)
+    out["paired_ratio_p95"] = round(_pct(paired, 0.95), 3)
+    out["trainer_steps"], out["measured_s"] = steps, round(seconds, 1)
     print(f"  LORAFLEET_TRAINER_NICE={nice} ({out['trainer']}): tenant A's 32-token chat, {len(solo)} pairs: solo "
           f"median {out['solo_median_s']} s p95 {out['solo_p95_s']} s; while B trains median "
           f"{out['during_median_s']} s p95 {out['during_p95_s']} s; ratio median {out['ratio_median']}x, p95 "
-          f"{out['ratio_p95']}x (load {out['load_min']}-{out['load_max']})", flush=True)
+          f"{out['ratio_p95']}x; pair by pair median {out['paired_ratio_median']}x, p95 {out['paired_ratio_p95']}x; "
+          f"the trainer took {steps} steps in {out['measured_s']} s (load {out['load_min']}-{out['load_max']})",
+          flush=True)
     return out
 
 
@@ -352,6 +367,9 @@ def latency(args) -> dict:
            "LORAFLEET_LOG_LEVEL": "WARNING"}
     env.pop("CELERY_RESULT_BACKEND", None)
     env.pop("LORAFLEET_TRAINER_NICE", None)
+    # gunicorn 27's control socket is one path per user (~/.gunicorn/gunicorn.ctl), shared with any other stack on
+    # the host; without it, nothing but our own signals stops this web
+    env["GUNICORN_CMD_ARGS"] = (env.get("GUNICORN_CMD_ARGS", "") + " --no-control-socket").strip()
     stack = Stack(root, env)
     try:
         out = subprocess.run([PYTHON, "manage.py", "migrate", "--noinput"], cwd=REPO, env=env, capture_output=True,
