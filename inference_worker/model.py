@@ -43,6 +43,7 @@ from kernels import gemm as native_gemm
 from kernels import gemm_lora as native_gemm_lora
 from kernels import gemm_pack as native_gemm_pack
 from kernels import rms_norm as native_rms_norm
+from kernels.cpu_native import load as native_library
 from protocol.lora_layout import FAMILIES, SERVED_MODEL_TYPES, Family, ModelShape, family_of, split_fused_adapter
 from protocol.memory import (
     PACK_MIN_HIDDEN,
@@ -363,6 +364,30 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return weight * xf.to(x.dtype)
 
 
+def head_rms_norm_in_place(qkv: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    """head_rms_norm of the first heads of every row of qkv [T, >= heads * hd] (fp32 CPU, rows contiguous) by weight
+    [heads, hd], written back in place, on the native RMSNorm (kernels.rms_norm's rms_norm_f32, one call a head over
+    its T rows at the row stride, on the calling thread); False, nothing written, where the library or these tensors
+    are not covered (the caller then uses head_rms_norm).
+
+    Why (Qwen3's q/k norms, bench/RESULTS.md 2026-12-07): head_rms_norm is eight torch ops over [T, H + KV, hd], each
+    above torch's grain, so each a parallel region of its own after the native kernels' team; on this project's
+    shared 2-CPU hosts every such region waited for a descheduled thread, and the mid shape's mixed decode step
+    (64 tokens) took 1.75 s as Qwen3 against Llama's 0.36 s, 1.1 s of it in those ops (torch.profiler). Here no
+    parallel region at all: a head's T rows are 64 x 64 floats at a decode step, and a whole prompt chunk's norm
+    is a small fraction of its GEMMs."""
+    heads, hd = weight.shape
+    lib = native_library()
+    if (lib is None or qkv.dtype != torch.float32 or weight.dtype != torch.float32 or qkv.device.type != "cpu"
+            or weight.device.type != "cpu" or qkv.dim() != 2 or qkv.stride(1) != 1 or not weight.is_contiguous()
+            or qkv.shape[1] < heads * hd):
+        return False
+    T, stride, x, w, step = qkv.shape[0], qkv.stride(0), qkv.data_ptr(), weight.data_ptr(), hd * qkv.element_size()
+    for j in range(heads):  # in place: each row's sum of squares is read before the row is written
+        lib.rms_norm_f32(T, hd, x + j * step, stride, w + j * step, x + j * step, stride, eps, 1)
+    return True
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, hd]; cos, sin_signed: [T, 1, hd]. HF's rotate-half convention:
     x * cos + rotate_half(x) * sin, with rotate_half's negation folded into sin_signed = [-sin, sin]
@@ -623,7 +648,8 @@ class Block:
                 lora.add(qkv[:, :q_end], h, layer, "q_proj")
                 lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
                 lora.add(qkv[:, k_end:], h, layer, "v_proj")
-        if self.qk_norm is not None:  # after the projections and their LoRA terms, as PEFT wraps q_proj / k_proj
+        # after the projections and their LoRA terms, as PEFT wraps q_proj / k_proj; natively where it can
+        if self.qk_norm is not None and not head_rms_norm_in_place(qkv, self.qk_norm, cfg.rms_norm_eps):
             qk_heads = qkv[:, :k_end].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             qk_heads.copy_(head_rms_norm(qk_heads, self.qk_norm, cfg.rms_norm_eps))
         # q and k rotated in one go: [T, H + KV, hd]; the rotated keys and the values stored in the KV cache
