@@ -78,11 +78,34 @@ REPEATS = {"tiny": 5, "mid": 2}  # timed runs per system, best kept, the same co
 N_REQUESTS, PROMPT_LEN, NEW_TOKENS, N_ADAPTERS, RANK, ZIPF_S = 64, 64, 64, 100, 16, 1.1
 
 
+# Gemma 2 and 3 on a shape (demo.tiny_gemma): head_dim hidden / heads as the other families have it, scores scaled by
+# head_dim ** -0.5 (query_pre_attn_scalar = head_dim, as Gemma-2-9B and Gemma 3 have it), each family's default layer
+# pattern (Gemma 2: every other layer sliding; Gemma 3: five sliding to one global), a window of 32 so that the
+# sliding layers' masks bite within the workload's 128 positions, and the published checkpoints' soft-caps (Gemma 2:
+# attention 50, final 30; Gemma 3: none) and Gemma 3's two RoPE bases (the global one with linear scaling x8, as the
+# 4B-27B checkpoints have); the head tied to the embedding table, as every Gemma's is.
+GEMMA_BENCH = {
+    "gemma2": dict(attn_softcap=50.0, final_softcap=30.0),
+    "gemma3": dict(attn_softcap=None, final_softcap=None, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+}
+FAMILY_ALIASES = {"gemma3_text": "gemma3"}  # the model_type, for demo.tiny_gemma's arch
+
+
 def build_model(workdir: Path, name: str, arch: str = "llama") -> Path:
-    """The `name` shape (MODELS) as a checkpoint of family `arch` (demo.tiny_base refuses one it cannot build)."""
+    """The `name` shape (MODELS) as a checkpoint of family `arch` (demo.tiny_base refuses one it cannot build;
+    demo.tiny_gemma builds Gemma 2 and 3)."""
+    arch = FAMILY_ALIASES.get(arch, arch)
     out = workdir / (f"base-{name}" if arch == "llama" else f"base-{name}-{arch}")
     if not (out / "model.safetensors").exists():
-        build_tiny_base(out, arch=arch, seed=0, **MODELS[name])
+        if arch in GEMMA_BENCH:
+            from demo.tiny_gemma import build_tiny_gemma
+
+            shape = MODELS[name]
+            head_dim = shape["hidden"] // shape["heads"]
+            build_tiny_gemma(out, arch=arch, seed=0, **shape, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                             sliding_window=32, tie_embeddings=True, **GEMMA_BENCH[arch])
+        else:
+            build_tiny_base(out, arch=arch, seed=0, **MODELS[name])
     return out
 
 
