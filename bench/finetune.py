@@ -276,14 +276,19 @@ def _trainer_pass(stack, env: dict, root: Path, key: str, trainee_key: str, nice
 
     from tests.e2e.conftest import PYTHON, Proc, wait_until
 
+    idle = nice == "idle"  # an experiment: the default niceness, and SCHED_IDLE set on the trainer from here
     trainer = Proc(f"trainer-nice{nice}", [PYTHON, "manage.py", "run_trainer", "--base", SLUG],
-                   {**env, "LORAFLEET_TRAINER_NICE": nice}, root)
+                   {**env, "LORAFLEET_TRAINER_NICE": "10" if idle else nice}, root)
     stack.procs.append(trainer)
     a = openai.OpenAI(base_url=stack.web_url + "/v1", api_key=key, max_retries=0, timeout=300)
     b = openai.OpenAI(base_url=stack.web_url + "/v1", api_key=trainee_key, max_retries=0, timeout=300)
     try:
         wait_until(lambda: "ready" in trainer.tail(20000), 180, "trainer ready", (trainer,))
         line = next(x for x in trainer.tail(20000).splitlines() if "one job at a time" in x)
+        if idle:  # its threads now; the ones torch starts later inherit the main thread's policy
+            for tid in os.listdir(f"/proc/{trainer.popen.pid}/task"):
+                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+            line += ", SCHED_IDLE"
         data = b"".join(json.dumps(e).encode() + b"\n" for e in dataset(64))
         uploaded = b.files.create(file=("long.jsonl", data), purpose="fine-tune")
         job = b.fine_tuning.jobs.create(training_file=uploaded.id, model=SLUG, suffix=f"long{nice}", seed=1,
@@ -380,7 +385,7 @@ def latency(args) -> dict:
         stack.start_worker(SLUG)
         return {"pairs": args.latency_pairs, "max_tokens": 32,
                 **{f"nice_{nice}": _trainer_pass(stack, env, root, seeded["key"], seeded["trainee_key"], nice, args)
-                   for nice in ("0", "10")}}
+                   for nice in args.latency_passes.split(",")}}
     finally:
         stack.close()
         with pg_connect(ADMIN_DB_URL) as admin:
@@ -395,6 +400,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="speed: timed runs of each, best kept")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the core's default)")
+    parser.add_argument("--latency-passes", default="10,0",
+                        help="latency: LORAFLEET_TRAINER_NICE of each pass; 'idle': 10 and SCHED_IDLE (experiment)")
     parser.add_argument("--latency-pairs", type=int, default=16, help="latency: solo/during request pairs per trainer")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()

@@ -16,7 +16,7 @@ training queue. Invariants:
   running under this trainer. A trainer killed anywhere before that commit leaves no adapter, no version and no
   provenance (at most an unreferenced blob); a job cancelled meanwhile publishes nothing.
 - On a CPU host the trainer runs at a lower scheduling priority (`LORAFLEET_TRAINER_NICE`, default 10 nicer) than the
-  inference worker it shares the cores with, so a tenant's chat latency barely moves while another trains
+  inference worker it shares the cores with, so a tenant's chat slows less while another trains
   (bench/RESULTS.md); training's arithmetic is unchanged (the same threads, the same order of sums).
 """
 from __future__ import annotations
