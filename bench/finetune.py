@@ -2,7 +2,7 @@
 loop, and the time from `files.create` to the first answer of the new adapter on the real stack.
 
     .venv/bin/python bench/finetune.py [--only speed,e2e,latency] [--speed-examples 64] [--rounds 2] [--epochs 1]
-        [--latency-pairs 16] [--json f]
+        [--latency-passes 10,0] [--latency-pairs 16] [--json f]
     make bench-finetune
 
 - speed: the same chat examples (the demo's styles, demo/styles.py), the same LoRA (r=8, alpha 16 on q/k/v/o), the
@@ -20,8 +20,8 @@ loop, and the time from `files.create` to the first answer of the new adapter on
   while tenant A asks the base a one-line question (max_tokens 32, greedy, ignore_eos: 32 tokens every time).
   A's requests come in pairs, one with the trainer stopped (SIGSTOP to its process group: "solo") and one with it
   training (SIGCONT: "during"), each after the same one-second pause, the order alternating pair
-  by pair, so a change in the host's other load falls on both sides. Twice, each with a fresh trainer: at
-  LORAFLEET_TRAINER_NICE=0 (the trainer as nice as the worker) and at the default (10). The figure is the ratio
+  by pair, so a change in the host's other load falls on both sides. Once per pass, each with a fresh trainer: at
+  the default LORAFLEET_TRAINER_NICE (10), then at 0 (the trainer as nice as the worker). The figure is the ratio
   during / solo of A's request seconds, median and p95, within each trainer's own pairs, and the same pair by
   pair (each pair's two requests ran seconds apart: the steadier figure on a host whose other load moves); with
   the trainer's steps in the measurement, what the trainer got meanwhile.
