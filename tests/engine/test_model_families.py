@@ -169,12 +169,12 @@ def test_qwen3_mixed_batch_of_peft_adapters_matches_peft_on_every_request(tiny_q
     assert all(together[i] != base_alone[i] for i in range(3))  # each adapter changes its answer
 
 
-def test_qwen3_requests_on_different_adapters_in_one_forward_equal_each_alone(tiny_qwen3, tmp_path):
-    """Batch invariance as for Llama: a mixed step (prompts beside decode tokens of two adapters and a base token)
-    gives each row the logits it gets alone."""
-    runner = ModelRunner(tiny_qwen3, pool_pages=512, max_lora_rank=32)
-    s0 = load_peft_into(runner, make_random_peft_adapter(tiny_qwen3, tmp_path / "a", r=8, target_modules=ALL_TARGETS))
-    s1 = load_peft_into(runner, make_random_peft_adapter(tiny_qwen3, tmp_path / "b", r=32, alpha=8, seed=5,
+def assert_mixed_adapter_steps_equal_each_alone(base, tmp_path) -> None:
+    """Batch invariance as for Llama: mixed steps (prompts beside decode tokens of two adapters and a base request)
+    give each row the logits it gets alone."""
+    runner = ModelRunner(base, pool_pages=512, max_lora_rank=32)
+    s0 = load_peft_into(runner, make_random_peft_adapter(base, tmp_path / "a", r=8, target_modules=ALL_TARGETS))
+    s1 = load_peft_into(runner, make_random_peft_adapter(base, tmp_path / "b", r=32, alpha=8, seed=5,
                                                          target_modules=("k_proj", "up_proj")))
     prompts = {s0: PROMPT[:9], s1: PROMPT[3:], -1: (PROMPT * 2)[:20]}
 
@@ -195,6 +195,12 @@ def test_qwen3_requests_on_different_adapters_in_one_forward_equal_each_alone(ti
         for row, (slot, i) in enumerate(batch):
             torch.testing.assert_close(logits[row], alone[slot][i], atol=1e-4, rtol=0)
     assert not torch.allclose(alone[s0][0], alone[-1][0])
+
+
+def test_qwen3_requests_on_different_adapters_in_one_forward_equal_each_alone(tiny_qwen3, tmp_path):
+    """Batch invariance as for Llama: a mixed step (prompts beside decode tokens of two adapters and a base token)
+    gives each row the logits it gets alone."""
+    assert_mixed_adapter_steps_equal_each_alone(tiny_qwen3, tmp_path)
 
 
 # --- RoPE: yarn and dynamic NTK -------------------------------------------------------------------------------
@@ -798,30 +804,7 @@ def test_gemma_mixed_batch_of_peft_adapters_matches_peft_on_every_request(reques
 def test_gemma_requests_on_different_adapters_in_one_forward_equal_each_alone(request, tmp_path, arch):
     """Batch invariance as for Llama: mixed steps (prompts beside decode tokens of two adapters and a base request,
     past the window) give each row the logits it gets alone."""
-    base = request.getfixturevalue(f"tiny_{arch}")
-    runner = ModelRunner(base, pool_pages=512, max_lora_rank=32)
-    s0 = load_peft_into(runner, make_random_peft_adapter(base, tmp_path / "a", r=8, target_modules=ALL_TARGETS))
-    s1 = load_peft_into(runner, make_random_peft_adapter(base, tmp_path / "b", r=32, alpha=8, seed=5,
-                                                         target_modules=("k_proj", "up_proj")))
-    prompts = {s0: PROMPT[:9], s1: PROMPT[3:], -1: (PROMPT * 2)[:20]}
-
-    def history(slot: int) -> tuple[Seq, list[SeqStep]]:
-        seq = Seq(runner, 32, slot)
-        return seq, [seq.step(prompts[slot])] + [seq.step([t]) for t in (11, 22, 33)]
-
-    alone = {}
-    for slot in prompts:
-        seq, steps = history(slot)
-        alone[slot] = [runner.forward([s])[0] for s in steps]
-        seq.free()
-    seqs = {slot: history(slot) for slot in prompts}
-    plan = [[(s0, 0), (s1, 0)], [(s0, 1), (s1, 1), (-1, 0)], [(s1, 2), (-1, 1), (s0, 2)],
-            [(-1, 2), (s0, 3), (s1, 3)], [(-1, 3)]]
-    for batch in plan:
-        logits = runner.forward([seqs[slot][1][i] for slot, i in batch])
-        for row, (slot, i) in enumerate(batch):
-            torch.testing.assert_close(logits[row], alone[slot][i], atol=1e-4, rtol=0)
-    assert not torch.allclose(alone[s0][0], alone[-1][0])
+    assert_mixed_adapter_steps_equal_each_alone(request.getfixturevalue(f"tiny_{arch}"), tmp_path)
 
 
 def test_gemma3_config_in_transformers_v4_spelling_is_read_the_same(tiny_gemma3, tmp_path):
