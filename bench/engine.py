@@ -190,8 +190,9 @@ def rank_of(adapter: int, ranks=SMOL_RANKS) -> int:
 
 
 def build_ranked_adapters(workdir: Path, base: Path, name: str, ranks=SMOL_RANKS,
-                          size: float = SMOL_LORA_SIZE) -> list[tuple[Path, int]]:
-    """N_ADAPTERS PEFT adapters on all seven projections, adapter i of rank ranks[i % len(ranks)], alpha = 2r.
+                          size: float = SMOL_LORA_SIZE, targets=ALL_TARGETS) -> list[tuple[Path, int]]:
+    """N_ADAPTERS PEFT adapters on `targets` (all seven projections by default), adapter i of rank
+    ranks[i % len(ranks)], alpha = 2r.
 
     One adapter per rank is made with PEFT (its adapter_config.json and tensor names); the others reuse that
     config with fresh random tensors. On a real model the delta is kept to `size` of each projection's output
@@ -212,7 +213,7 @@ def build_ranked_adapters(workdir: Path, base: Path, name: str, ranks=SMOL_RANKS
     templates = {}
     for r in ranks:
         first = next(d for d, rank in out if rank == r)
-        make_random_peft_adapter(base, first, r=r, alpha=2 * r, target_modules=ALL_TARGETS, seed=r)
+        make_random_peft_adapter(base, first, r=r, alpha=2 * r, target_modules=list(targets), seed=r)
         templates[r] = (first, load_file(str(first / "adapter_model.safetensors")))
     for i, (d, r) in enumerate(out):
         first, template = templates[r]

@@ -71,6 +71,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Real chat questions, short and varied (no download): the workload of every pass.
+# The fleet's adapters: `mixed` is the heavy case (every projection, ranks to 32: each decode row of the fleet reads
+# 3.9-15.7 MB of adapter weights in fp32 against the base's 540 MB shared by all rows); `attention-r8` is what a
+# fine-tuning job makes by default (finetune/: r = 8 on the attention projections, 3.9 MB an adapter)
+FLEET_SHAPES = {
+    "mixed": {"folder": "smollm2", "ranks": (8, 16, 32), "what": "all seven projections",
+              "targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")},
+    "attention-r8": {"folder": "smollm2-attention-r8", "ranks": (8,), "what": "q/k/v/o",
+                     "targets": ("q_proj", "k_proj", "v_proj", "o_proj")},
+}
+
 QUESTIONS = [
     "What is the capital of France?", "How do plants make their food?", "Why is the sky blue?",
     "Give me three tips for sleeping better.", "What is a black hole?", "How does a refrigerator keep food cold?",
@@ -799,6 +809,9 @@ def run_main(argv: list[str]) -> None:
     ap.add_argument("--max-tokens", default="256", help="comma-separated max_tokens of the passes (e.g. 256,1024)")
     ap.add_argument("--requests", type=int, default=64, help="requests per pass (the QUESTIONS, in order, cycled)")
     ap.add_argument("--fleet", type=int, default=32, help="adapters of the fleet (ranks 8/16/32, all seven projections)")
+    ap.add_argument("--fleet-shape", choices=sorted(FLEET_SHAPES), default="mixed",
+                    help="mixed: ranks 8/16/32 on all seven projections; attention-r8: rank 8 on q/k/v/o, what a "
+                         "fine-tuning job makes by default")
     ap.add_argument("--concurrency", type=int, default=32, help="requests in flight in the saturation passes")
     ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate (req/s) of the rate passes; 0: none")
     ap.add_argument("--fairness", default="capture,long-prompt,flood",
@@ -834,7 +847,9 @@ def run_main(argv: list[str]) -> None:
     from bench.engine import build_ranked_adapters, smollm2_base
 
     model_dir = smollm2_base()
-    adapters = build_ranked_adapters(Path(args.workdir), model_dir, "smollm2")
+    shape = FLEET_SHAPES[args.fleet_shape]
+    adapters = build_ranked_adapters(Path(args.workdir), model_dir, shape["folder"], ranks=shape["ranks"],
+                                     targets=shape["targets"])
     if args.fleet + 3 > len(adapters):
         sys.exit(f"--fleet {args.fleet}: at most {len(adapters) - 3} (three more adapters go to the fairness tenants)")
     fleet_dirs = [d for d, _ in adapters[:args.fleet]]
@@ -845,7 +860,7 @@ def run_main(argv: list[str]) -> None:
     dataset = write_dataset(rundir / "questions.jsonl", [QUESTIONS[k % len(QUESTIONS)] for k in range(n_lines)])
     ranks = sorted({r for _, r in adapters[:args.fleet]})
     log(f"workload: {args.requests} chat questions, greedy, natural stops, max_tokens {args.max_tokens}; fleet of "
-        f"{args.fleet} adapters (ranks {ranks}, all seven projections), round-robin; concurrency {args.concurrency}"
+        f"{args.fleet} adapters (ranks {ranks} on {shape['what']}), round-robin; concurrency {args.concurrency}"
         f"{f' and Poisson {args.rate:g} req/s' if args.rate > 0 else ''}; model {model_dir}; files in {rundir}")
     log("load generator: vllm bench serve --backend openai-chat (vLLM 0.32's, from var/venv-vllm)")
     passes: list[Pass] = []
