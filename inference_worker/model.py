@@ -35,6 +35,7 @@ from kernels import (
     StepKernels,
     gemm_available,
     gemm_side_helps,
+    geglu_tanh,
     paged_decode_attention,
     paged_prefill_attention,
     rope_kv_write,
@@ -338,6 +339,11 @@ def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -
 def gemma_norm_weight(weight: torch.Tensor) -> torch.Tensor:
     """1 + weight in fp32, what Gemma's RMSNorm multiplies by ((1.0 + self.weight.float()) in transformers)."""
     return 1.0 + weight.float()
+
+
+def gemma_attention_scale(cfg: ModelConfig) -> float:
+    """Gemma's attention scale, query_pre_attn_scalar ** -0.5 (transformers' Gemma2Attention.scaling)."""
+    return float(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
 
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -774,11 +780,11 @@ class GemmaBlock(Block):
     and after attention and before and after the MLP, per-head q/k norms by (1 + weight) before RoPE (Gemma 3),
     scores scaled by query_pre_attn_scalar ** -0.5 and soft-capped where the config says (Gemma 2), GeGLU (the gate
     through gelu-tanh). Sliding layers attend to the last sliding_window positions and, in Gemma 3, rotate with their
-    own RoPE (ctx.local_rope). The projections and their LoRA terms are Block's; the small ops between them are
-    torch's (the native step kernels know neither (1 + weight) nor soft-capping): the runner builds no StepKernels
-    and no fused LoRA GEMMs for Gemma. Decode attention on the layers that are not soft-capped is Block's (the
-    native paged kernel on CPU in fp32, SDPA elsewhere), prefill attention too (SDPA); soft-capped layers take
-    softcapped_attention for both."""
+    own RoPE (ctx.local_rope). The projections and their LoRA terms are Block's (fused into the GEMMs on a decode
+    step where the runner fuses them). On CPU in fp32 the small ops between them are the native step kernels'
+    (ctx.native): the norms are plain RMSNorms by the precomputed 1 + weight, the GeGLU gate and the soft-capped
+    attention have kernels of their own (kernels.geglu_tanh; the paged attention kernels' softcap); elsewhere (CUDA,
+    bf16, no C compiler) torch's, and softcapped_attention for soft-capped layers (SDPA cannot soft-cap)."""
 
     def __init__(self, runner: ModelRunner, layer: int, w: dict[str, torch.Tensor]) -> None:
         super().__init__(runner, layer, w)
@@ -789,58 +795,120 @@ class GemmaBlock(Block):
         self.post_ff_norm = gemma_norm_weight(w["post_feedforward_layernorm.weight"])
         if self.qk_norm is not None:  # Gemma 3's q_norm / k_norm, repeated per head as Block does, by (1 + weight)
             self.qk_norm = gemma_norm_weight(self.qk_norm)
-        self.scale = float(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5  # transformers: config.query_pre_attn_scalar**-0.5
+        self.scale = gemma_attention_scale(cfg)
         self.softcap = cfg.attn_logit_softcapping
         self.local = cfg.local_rope is not None and cfg.sliding_layers[layer]  # this layer rotates with the local RoPE
+        # the native norms multiply in the model's dtype, (1 + weight) only where that is fp32 (as torch's path casts)
+        self.native_norms = self.input_norm.dtype == torch.float32
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, ctx: StepContext, post: bool) -> torch.Tensor:
+        """Gemma's RMSNorm of x [T, hidden]: the step kernels' (one of the layer's two norm buffers: `post` picks
+        which, so that an output is read before the same buffer is written again), else gemma_rms_norm."""
+        if ctx.native is not None and self.native_norms:
+            return ctx.native.norm(x, weight, self.layer, post=post)
+        return gemma_rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        cfg, lora, layer, eps = self.cfg, ctx.lora, self.layer, self.cfg.rms_norm_eps
+        cfg, lora, layer, eps, native = self.cfg, ctx.lora, self.layer, self.cfg.rms_norm_eps, ctx.native
         T = x.shape[0]
         side = ctx.sides.at if ctx.sides is not None else _no_side
+        fused = lora.fused if lora is not None and ctx.fuse_lora else _not_fused  # as Block.forward
+        buffers = lora.lora.buffer_ptrs if lora is not None else []
         # --- attention ---
-        h = gemma_rms_norm(x, self.input_norm, eps)
+        h = self._norm(x, self.input_norm, ctx, post=False)
         q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
-        qkv = self.qkv(h, side(layer, "qkv"))  # [T, q_dim + 2 kv_dim]
-        if lora is not None:
-            lora.add(qkv[:, :q_end], h, layer, "q_proj")
-            lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
-            lora.add(qkv[:, k_end:], h, layer, "v_proj")
+        if (f := fused("qkv")) is not None:
+            qkv = self.qkv.with_lora(h, f, buffers[layer])
+        else:
+            qkv = self.qkv(h, side(layer, "qkv"))  # [T, q_dim + 2 kv_dim]
+            if lora is not None:
+                lora.add(qkv[:, :q_end], h, layer, "q_proj")
+                lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
+                lora.add(qkv[:, k_end:], h, layer, "v_proj")
         heads = cfg.num_heads + cfg.num_kv_heads
-        if self.qk_norm is not None:  # after the projections and their LoRA terms, as PEFT wraps q_proj / k_proj
+        # after the projections and their LoRA terms, as PEFT wraps q_proj / k_proj; natively where it can
+        if self.qk_norm is not None and not head_rms_norm_in_place(qkv, self.qk_norm, eps):
             qk_heads = qkv[:, :k_end].view(T, heads, cfg.head_dim)
             qk_heads.copy_(gemma_rms_norm(qk_heads, self.qk_norm, eps))
-        cos, sin = ctx.local_rope if self.local and ctx.local_rope is not None else (ctx.cos, ctx.sin)
         kv = self.runner.kv
-        qk = None
-        if self.runner.native_attention:  # CPU fp32: RoPE and the KV write in one native pass (no norm in it)
-            qk = rope_kv_write(qkv, cos, sin, kv.pages(layer), ctx.write_rows, heads=cfg.num_heads,
-                               kv_heads=cfg.num_kv_heads, block_size=kv.block_size, threads=torch.get_num_threads())
+        qk = native.rope_kv(qkv, layer, local=self.local) if native is not None else None
         if qk is None:
-            qk = apply_rope(qkv[:, :k_end].view(T, heads, cfg.head_dim), cos, sin)
-            kv.write(layer, ctx.write_rows, qk[:, cfg.num_heads:], qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim))
-        v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)
-        y = self.attend(qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], v, ctx)  # [T, q_dim]
-        o = self.o(y, side(layer, "o"))
-        if lora is not None:
-            lora.add(o, y, layer, "o_proj")
-        x = x + gemma_rms_norm(o, self.post_norm, eps)
+            cos, sin = ctx.local_rope if self.local and ctx.local_rope is not None else (ctx.cos, ctx.sin)
+            if self.runner.native_attention:  # CPU fp32: RoPE and the KV write in one native pass
+                qk = rope_kv_write(qkv, cos, sin, kv.pages(layer), ctx.write_rows, heads=cfg.num_heads,
+                                   kv_heads=cfg.num_kv_heads, block_size=kv.block_size,
+                                   threads=torch.get_num_threads())
+            if qk is None:
+                qk = apply_rope(qkv[:, :k_end].view(T, heads, cfg.head_dim), cos, sin)
+                kv.write(layer, ctx.write_rows, qk[:, cfg.num_heads:],
+                         qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim))
+            y = None
+        else:  # every token on the kernel (soft-capped there where the layer is), or None
+            y = native.attention(layer, self.window)
+        if y is None:
+            v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)
+            y = self.attend(qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], v, ctx)  # [T, q_dim]
+        if (f := fused("o")) is not None:
+            o = self.o.with_lora(y, f, buffers[layer])
+        else:
+            o = self.o(y, side(layer, "o"))
+            if lora is not None:
+                lora.add(o, y, layer, "o_proj")
+        x = x + self._norm(o, self.post_norm, ctx, post=True)
         # --- MLP: GeGLU ---
-        h = gemma_rms_norm(x, self.pre_ff_norm, eps)
+        h = self._norm(x, self.pre_ff_norm, ctx, post=False)
         inter = cfg.intermediate_size
-        gu = self.gate_up(h, side(layer, "gate_up"))  # [T, 2 * intermediate]
-        if lora is not None:
-            lora.add(gu[:, :inter], h, layer, "gate_proj")
-            lora.add(gu[:, inter:], h, layer, "up_proj")
-        a = F.gelu(gu[:, :inter], approximate=cfg.gelu_approximate).mul_(gu[:, inter:])
-        d = self.down(a, side(layer, "down"))
-        if lora is not None:
-            lora.add(d, a, layer, "down_proj")
-        return x + gemma_rms_norm(d, self.post_ff_norm, eps)
+        if (f := fused("gate_up")) is not None:
+            gu = self.gate_up.with_lora(h, f, buffers[layer])
+        else:
+            gu = self.gate_up(h, side(layer, "gate_up"))  # [T, 2 * intermediate]
+            if lora is not None:
+                lora.add(gu[:, :inter], h, layer, "gate_proj")
+                lora.add(gu[:, inter:], h, layer, "up_proj")
+        a = None
+        if cfg.gelu_approximate == "tanh" and gu.dtype == torch.float32 and gu.device.type == "cpu":
+            a = native.geglu(gu, layer) if native is not None else geglu_tanh(gu, inter,
+                                                                              threads=torch.get_num_threads())
+        if a is None:
+            a = F.gelu(gu[:, :inter], approximate=cfg.gelu_approximate).mul_(gu[:, inter:])
+        if (f := fused("down")) is not None:
+            d = self.down.with_lora(a, f, buffers[layer])
+        else:
+            d = self.down(a, side(layer, "down"))
+            if lora is not None:
+                lora.add(d, a, layer, "down_proj")
+        return x + self._norm(d, self.post_ff_norm, ctx, post=True)
 
     def attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         if self.softcap is None:
             return super().attend(q, k_new, v_new, ctx)
-        return self._attend_softcapped(q, k_new, v_new, ctx)
+        y = self._attend_paged_softcapped(q, ctx) if self.runner.native_attention else None
+        return y if y is not None else self._attend_softcapped(q, k_new, v_new, ctx)
+
+    def _attend_paged_softcapped(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """CPU fp32: every token on the paged attention kernels, which soft-cap the scores (the runner gives a
+        soft-capped model's prompt chunks their pages, _Prefill.paged, whatever their start and length); None where a
+        kernel does not cover the shapes (the caller then takes softcapped_attention for all of them)."""
+        cfg, kv, threads = self.cfg, self.runner.kv, torch.get_num_threads()
+        T, H, hd = q.shape
+        pages = kv.pages(self.layer)
+        out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
+        d = ctx.decode
+        if d is not None:
+            qd = q if d.index is None else q.index_select(0, d.index)
+            y = paged_decode_attention(qd, pages, d.blocks, d.lens, kv_heads=cfg.num_kv_heads, window=self.window,
+                                       scale=self.scale, threads=threads, softcap=self.softcap)
+            if y is None or d.index is None:
+                return y
+            out.index_copy_(0, d.index, y)
+        for p in ctx.prefills:
+            y = None if p.paged is None else paged_prefill_attention(
+                q[p.first:p.first + p.n], pages, p.paged, p.start, kv_heads=cfg.num_kv_heads, window=self.window,
+                scale=self.scale, threads=threads, softcap=self.softcap)
+            if y is None:
+                return None
+            out[p.first:p.first + p.n] = y
+        return out
 
     def _attend_softcapped(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                            ctx: StepContext) -> torch.Tensor:
@@ -963,9 +1031,9 @@ class ModelRunner:
         # ...and with it each layer's RMSNorms, RoPE + KV write, decode attention and SwiGLU's gate go through one
         # kernels.StepKernels per step (buffers and shapes set up once for all layers, each call a ctypes call on
         # integers); False keeps the per-call wrappers and torch's silu * up (A/B: bench/peers.py --step-kernels-ab).
-        self.step_kernels = step_kernels and not cfg.family.gemma  # Gemma's small ops are torch's (GemmaBlock)
-        if cfg.family.gemma:  # nor are its LoRA terms fused into the GEMMs (its layers call lora.add after each)
-            self.fuse_lora = False
+        self.step_kernels = step_kernels
+        # the scores' scale, as every layer has it (Block.scale, GemmaBlock.scale), for the step kernels' attention
+        self.attention_scale = gemma_attention_scale(cfg) if cfg.family.gemma else 1.0 / math.sqrt(cfg.head_dim)
         self._step_arena = StepArena(STEP_ARENA_BYTES)  # the small ops' outputs, a copy a layer, from step to step
         w = self._read_weights()
         self.weights_bytes = sum(t.numel() * t.element_size() for t in w.values())
@@ -1199,7 +1267,9 @@ class ModelRunner:
         for first, s in prefill_specs:
             n, L = len(s.token_ids), s.start_pos + len(s.token_ids)
             rows = paged = None  # a whole-prompt chunk attends to its own keys (Block.attend)
-            if s.start_pos and self.native_attention and n <= PAGED_PREFILL_TOKENS:
+            # soft-capped layers (Gemma 2) read every chunk on the pages: the paged kernel soft-caps, SDPA cannot
+            if self.native_attention and (s.start_pos and n <= PAGED_PREFILL_TOKENS
+                                          or cfg.attn_logit_softcapping is not None):
                 paged = torch.tensor(s.block_table[:blocks_needed(L, bs)], dtype=torch.int64, device=dev)
             elif s.start_pos:
                 rows = torch.tensor(self.kv.rows_for(s.block_table, 0, L), dtype=torch.int64, device=dev)
@@ -1217,6 +1287,7 @@ class ModelRunner:
         if self.lora is None and any(s >= 0 for s in slots):
             raise ValueError("LoRA slot requested but the runner was built with enable_lora=False")
         rows_t = torch.tensor(write_rows, dtype=torch.int64, device=dev)
+        local = self._local_rope(pos_t)  # Gemma 3's sliding layers' RoPE, or None
         native = None
         if self.native_attention and self.step_kernels:  # CPU fp32 (None where the native library is not there)
             attend_blocks = attend_lens = None  # every token's KV blocks and positions, when it attends on the kernel
@@ -1234,8 +1305,10 @@ class ModelRunner:
                 rows=len(tokens), hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_heads,
                 kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=bs, eps=cfg.rms_norm_eps, cos=cos,
                 sin_signed=sin, write_rows=rows_t, layer_pages=[self.kv.pages(i) for i in range(cfg.num_layers)],
-                attend_blocks=attend_blocks, attend_lens=attend_lens, scale=1.0 / math.sqrt(cfg.head_dim),
-                threads=torch.get_num_threads(), layers=cfg.num_layers, arena=self._step_arena)
+                attend_blocks=attend_blocks, attend_lens=attend_lens, scale=self.attention_scale,
+                threads=torch.get_num_threads(), layers=cfg.num_layers, arena=self._step_arena,
+                softcap=cfg.attn_logit_softcapping, local_cos=None if local is None else local[0],
+                local_sin_signed=None if local is None else local[1])
         sides = None
         # decode steps only: a prompt's GEMMs split their rows where the panels do not share out (gemm_f32), and its
         # LoRA term is bound by arithmetic, not by reads the GEMM could hide
@@ -1244,7 +1317,7 @@ class ModelRunner:
             sides = StepSides({g: lora.lora.group_ranges(lora.residents, g) for g in GEMM_GROUPS},
                               lora.lora.buffer_ptrs)
         ctx = StepContext(cos=cos, sin=sin, write_rows=rows_t, decode=decode, prefills=prefills, lora=lora,
-                          native=native, sides=sides, fuse_lora=fuse_lora, local_rope=self._local_rope(pos_t))
+                          native=native, sides=sides, fuse_lora=fuse_lora, local_rope=local)
         return torch.tensor(tokens, dtype=torch.int64, device=dev), ctx, last
 
     def _local_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

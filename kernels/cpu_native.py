@@ -53,14 +53,16 @@ _PREFILL_ATTN_ARGTYPES = (
     _p, _i64,  # the layer's pages, page stride (elements)
     _p, _i64,  # the sequence's block table int64 [nb], start
     _p, _i64,  # out, row stride
-    _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int,  # kv heads, g, hd, block size, window, scale, threads
+    _i64, _i64, _i64, _i64, _i64,  # kv heads, g, hd, block size, window
+    ctypes.c_float, ctypes.c_float, ctypes.c_int,  # scale, soft-cap (0: none), threads
 )
 _ATTN_ARGTYPES = (
     _i64, _p, _i64,  # B, q, q row stride
     _p, _i64,  # the layer's pages, page stride (elements)
     _p, _i64, _p,  # block table int64 [B, nb], nb, lens int64 [B]
     _p, _i64,  # out, row stride
-    _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int,  # kv heads, g, head dim, block size, window, scale, threads
+    _i64, _i64, _i64, _i64, _i64,  # kv heads, g, head dim, block size, window
+    ctypes.c_float, ctypes.c_float, ctypes.c_int,  # scale, soft-cap (0: none), threads
 )
 
 _RMS_ARGTYPES = (
@@ -184,6 +186,8 @@ def load() -> ctypes.CDLL | None:
         lib.rope_kv_write_f32.restype = ctypes.c_int
         lib.swiglu_f32.argtypes = _SWIGLU_ARGTYPES
         lib.swiglu_f32.restype = None
+        lib.geglu_tanh_f32.argtypes = _SWIGLU_ARGTYPES
+        lib.geglu_tanh_f32.restype = None
         lib.argmax_rows_f32.argtypes = _ARGMAX_ARGTYPES
         lib.argmax_rows_f32.restype = None
         lib.gemm_f32.argtypes = _GEMM_ARGTYPES
@@ -203,11 +207,13 @@ def sgmv_for(weight_dtype):
     return _sgmv.get(weight_dtype) if load() is not None else None
 
 
-def paged_decode_attention(q, pages, blocks, lens, *, kv_heads: int, window: int | None, scale: float, threads: int):
+def paged_decode_attention(q, pages, blocks, lens, *, kv_heads: int, window: int | None, scale: float, threads: int,
+                           softcap: float | None = None):
     """Decode attention read straight from the paged KV cache: q fp32 [B, H, hd] (one query per sequence),
     pages fp32 [P, 2 * kv_heads, block_size * hd] (a layer's pages, K heads then V heads), blocks int64
     [B, nb], lens int64 [B] (positions in the cache, the query's own included) -> [B, H * hd]; None when the
-    native library or these shapes are not covered (the caller then gathers and uses SDPA)."""
+    native library or these shapes are not covered (the caller then gathers and uses SDPA). `softcap`: the
+    scaled scores go through softcap * tanh(s / softcap) before the softmax (Gemma 2's attn_logit_softcapping)."""
     import torch
 
     lib = load()
@@ -222,16 +228,16 @@ def paged_decode_attention(q, pages, blocks, lens, *, kv_heads: int, window: int
     rc = lib.paged_decode_attention_f32(
         B, q.data_ptr(), q.stride(0), pages.data_ptr(), pages.stride(0), blocks.data_ptr(), blocks.shape[1],
         lens.data_ptr(), out.data_ptr(), out.stride(0), kv_heads, H // kv_heads, hd, bs, window or 0, scale,
-        threads)
+        softcap or 0.0, threads)
     return out if rc == 0 else None
 
 
 def paged_prefill_attention(q, pages, blocks, start: int, *, kv_heads: int, window: int | None, scale: float,
-                            threads: int):
+                            threads: int, softcap: float | None = None):
     """Prompt-chunk attention read straight from the paged KV cache: q fp32 [n, H, hd], the chunk's n queries at
     positions start..start+n-1 of one sequence (their keys already written), pages as for paged_decode_attention,
     blocks int64 [nb] the sequence's pages -> [n, H * hd], causal (and windowed); None when the native library or
-    these shapes are not covered (the caller then gathers and uses SDPA)."""
+    these shapes are not covered (the caller then gathers and uses SDPA). `softcap` as paged_decode_attention's."""
     import torch
 
     lib = load()
@@ -244,7 +250,7 @@ def paged_prefill_attention(q, pages, blocks, start: int, *, kv_heads: int, wind
     bs = pages.shape[2] // hd
     rc = lib.paged_prefill_attention_f32(
         n, q.data_ptr(), q.stride(0), pages.data_ptr(), pages.stride(0), blocks.data_ptr(), start, out.data_ptr(),
-        out.stride(0), kv_heads, H // kv_heads, hd, bs, window or 0, scale, threads)
+        out.stride(0), kv_heads, H // kv_heads, hd, bs, window or 0, scale, softcap or 0.0, threads)
     return out if rc == 0 else None
 
 
@@ -306,6 +312,21 @@ def swiglu(gu, n: int, *, threads: int):
         return None
     out = torch.empty(gu.shape[0], n, dtype=gu.dtype)
     lib.swiglu_f32(gu.shape[0], n, gu.data_ptr(), gu.stride(0), out.data_ptr(), n, threads)
+    return out
+
+
+def geglu_tanh(gu, n: int, *, threads: int):
+    """GeGLU's gate (Gemma's MLP, hidden_activation gelu_pytorch_tanh) of fp32 rows gu [T, >= 2n] (gate columns, then
+    up columns): gelu_tanh(gu[:, :n]) * gu[:, n:2n] in one pass -> a new [T, n] tensor; None when the native library
+    or this tensor is not covered (the caller then uses torch ops)."""
+    import torch
+
+    lib = load()
+    if (lib is None or gu.dtype != torch.float32 or gu.device.type != "cpu" or gu.dim() != 2 or gu.stride(1) != 1
+            or gu.shape[1] < 2 * n):
+        return None
+    out = torch.empty(gu.shape[0], n, dtype=gu.dtype)
+    lib.geglu_tanh_f32(gu.shape[0], n, gu.data_ptr(), gu.stride(0), out.data_ptr(), n, threads)
     return out
 
 
@@ -510,13 +531,16 @@ class StepKernels:
     def build(cls, *, rows: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
               block_size: int, eps: float, cos, sin_signed, write_rows, layer_pages: list,
               attend_blocks=None, attend_lens=None, scale: float = 1.0, threads: int = 1, layers: int = 1,
-              arena: StepArena | None = None) -> StepKernels | None:
+              arena: StepArena | None = None, softcap: float | None = None, local_cos=None,
+              local_sin_signed=None) -> StepKernels | None:
         """cos, sin_signed [T, 1, hd] or [T, hd], write_rows int64 [T], layer_pages each layer's
         [P, 2 kv_heads, block_size * hd]; attend_blocks int64 [T, nb] and attend_lens int64 [T], every token's
         sequence's KV blocks and the positions it attends to (its own included), when every token of the step is
         to attend on the kernel (`attention` is then available). `arena` (StepArena, the runner's): where the step's
         buffers come from, a copy for each of `layers` layers where they fit; without one they are allocated for this
-        step, one copy for all layers."""
+        step, one copy for all layers. `softcap`: the attention scores' soft-capping (Gemma 2), None none;
+        `local_cos`, `local_sin_signed`: a second RoPE table at the same positions, for the layers that rotate with
+        their own (Gemma 3's sliding layers: rope_kv(..., local=True))."""
         import torch
 
         lib = load()
@@ -528,6 +552,12 @@ class StepKernels:
                 or any(p.shape != layer_pages[0].shape for p in layer_pages)
                 or layer_pages[0].shape[1:] != (2 * kv_heads, block_size * head_dim)):
             return None
+        local = None
+        if local_cos is not None and local_sin_signed is not None:
+            if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                   or t.numel() != rows * head_dim for t in (local_cos, local_sin_signed)):
+                return None
+            local = (local_cos, local_sin_signed)
         attend = (attend_blocks is not None and attend_lens is not None
                   and attend_blocks.dtype == torch.int64 and attend_lens.dtype == torch.int64
                   and attend_blocks.is_contiguous() and attend_lens.is_contiguous()
@@ -536,15 +566,18 @@ class StepKernels:
                    head_dim=head_dim, block_size=block_size, eps=eps, scale=scale, threads=threads, cos=cos,
                    sin_signed=sin_signed, write_rows=write_rows, layer_pages=layer_pages,
                    attend=(attend_blocks, attend_lens) if attend else None, layers=layers,
-                   arena=arena if arena is not None else StepArena(0))  # 0: one copy, for this step
+                   arena=arena if arena is not None else StepArena(0),  # 0: one copy, for this step
+                   softcap=softcap, local=local)
 
     def __init__(self, lib: ctypes.CDLL, *, rows: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
                  head_dim: int, block_size: int, eps: float, scale: float, threads: int, cos, sin_signed, write_rows,
-                 layer_pages: list, attend: tuple | None, layers: int, arena: StepArena) -> None:
+                 layer_pages: list, attend: tuple | None, layers: int, arena: StepArena,
+                 softcap: float | None = None, local: tuple | None = None) -> None:
         """What `build` checked; use `build`."""
         self.lib, self.T, self.hidden, self.inter = lib, rows, hidden, intermediate
         self.H, self.KV, self.hd, self.bs = heads, kv_heads, head_dim, block_size
         self.eps, self.scale, self.threads = float(eps), float(scale), int(threads)
+        self.cap = float(softcap or 0.0)
         # per copy: the two norms' outputs, q and k rotated, SwiGLU's output, the attention's output (the same widths
         # as protocol.memory.step_arena_bytes counts in the workspace; kernels imports nothing of the project)
         widths = [hidden, hidden, (heads + kv_heads) * head_dim, intermediate] + ([heads * head_dim] if attend else [])
@@ -557,7 +590,8 @@ class StepKernels:
         self._blocks = self._nb = self._lens = 0
         if attend is not None:
             self._blocks, self._nb, self._lens = attend[0].data_ptr(), attend[0].shape[1], attend[1].data_ptr()
-        self._keep = (cos, sin_signed, write_rows, attend, layer_pages)  # what the pointers point into
+        self._local = (local[0].data_ptr(), local[1].data_ptr()) if local is not None else None
+        self._keep = (cos, sin_signed, write_rows, attend, layer_pages, local)  # what the pointers point into
 
     def _copy(self, layer: int) -> list:
         return self._copies[layer % len(self._copies)]
@@ -570,12 +604,16 @@ class StepKernels:
                               self.hidden, self.eps, self.threads)
         return h
 
-    def rope_kv(self, qkv, layer: int):
+    def rope_kv(self, qkv, layer: int, local: bool = False):
         """RoPE and the KV write (rope_kv_write) of the fused q/k/v GEMM's output [T, q + 2 kv] (contiguous)
-        into `layer`'s pages -> `layer`'s `qk` [T, heads + kv_heads, hd]."""
+        into `layer`'s pages -> `layer`'s `qk` [T, heads + kv_heads, hd]. `local`: with the second table (`build`'s
+        local_cos); None where there is none."""
+        if local and self._local is None:
+            return None
+        cos, sin = self._local if local else (self._cos, self._sin)
         qk = self._copy(layer)[2]
         rc = self.lib.rope_kv_write_f32(self.T, qkv.data_ptr(), self._qkv_stride, self.H, self.KV, self.hd,
-                                        self._cos, self._sin, self.hd, qk.data_ptr(), self._pages[layer],
+                                        cos, sin, self.hd, qk.data_ptr(), self._pages[layer],
                                         self._page_stride, self._num_pages, self._rows, self.bs, self.threads)
         if rc != 0:
             raise IndexError(f"a KV row is outside the layer's {self._num_pages} pages of {self.bs} positions")
@@ -594,7 +632,7 @@ class StepKernels:
         rc = self.lib.paged_decode_attention_f32(
             self.T, copy[2].data_ptr(), (self.H + self.KV) * self.hd, self._pages[layer], self._page_stride,
             self._blocks, self._nb, self._lens, y.data_ptr(), self.H * self.hd, self.KV, self.H // self.KV,
-            self.hd, self.bs, window or 0, self.scale, self.threads)
+            self.hd, self.bs, window or 0, self.scale, self.cap, self.threads)
         return y if rc == 0 else None
 
     def swiglu(self, gu, layer: int = 0):
@@ -602,4 +640,12 @@ class StepKernels:
         a = self._copy(layer)[3]
         self.lib.swiglu_f32(self.T, self.inter, gu.data_ptr(), 2 * self.inter, a.data_ptr(), self.inter,
                             self.threads)
+        return a
+
+    def geglu(self, gu, layer: int = 0):
+        """GeGLU's gate with the tanh GELU (geglu_tanh; Gemma's MLP) of the fused gate/up GEMM's output
+        [T, 2 intermediate] (contiguous) -> `layer`'s `a`."""
+        a = self._copy(layer)[3]
+        self.lib.geglu_tanh_f32(self.T, self.inter, gu.data_ptr(), 2 * self.inter, a.data_ptr(), self.inter,
+                                self.threads)
         return a

@@ -297,7 +297,7 @@ typedef struct {
     const int64_t *lens;     /* [B] tokens in the cache, the query's own included */
     float *out;              /* [B, KV * g * hd], row stride so */
     int64_t sq, so, page_stride, nb, kv, g, hd, bs, window;
-    float scale;
+    float scale, cap;        /* cap: soft-capping of the scores (Gemma 2), 0 none */
     int64_t heads_per_unit;  /* KV heads one unit attends: all of them when their accumulators fit */
     int64_t B, ahead;        /* sequences; how many units on from this one a thread's next unit is (the team's size) */
 } attn_args;
@@ -305,9 +305,20 @@ typedef struct {
 /* One query head's running state over the blocks: max m, sum l, accumulators acc[hd]. */
 typedef struct { float *m, *l, *acc; } attn_state;
 
+/* Gemma 2's attention logit soft-capping, s = cap * tanh(s / cap), on one head's scaled scores before the softmax
+ * (transformers: scores / cap, tanh, * cap, then the mask). tanh(y) = 1 - 2 / (1 + exp(2y)) so that the loop
+ * vectorises as the softmax's exp does (2y clamped where exp(2y) would overflow: tanh is 1 there to fp32's last bit);
+ * its error is a few fp32 ulps of cap, within the fp32 tolerance the tests hold the scores to. */
+static inline void attn_softcap(float *s, int64_t n, float cap) {
+    const float inv = 2.f / cap;
+    EXP_SIMD
+    for (int64_t i = 0; i < n; i++) s[i] = cap - 2.f * cap / (1.f + expf(fminf(s[i] * inv, 88.f)));
+}
+
 /* Online softmax of one head's scores s[0, n) against its state: s becomes exp(s - new max); returns the
  * factor the old accumulators and sum are rescaled by (1 when the max did not move). */
-static inline float attn_softmax_block(float *s, int64_t n, float *m, float *l) {
+static inline float attn_softmax_block(float *s, int64_t n, float *m, float *l, float cap) {
+    if (cap > 0.f) attn_softcap(s, n, cap);
     float bm = *m;
     for (int64_t i = 0; i < n; i++) bm = s[i] > bm ? s[i] : bm;
     const float c = expf(*m - bm);
@@ -321,7 +332,7 @@ static inline float attn_softmax_block(float *s, int64_t n, float *m, float *l) 
 
 /* Rows lo..hi-1 of one block for g query heads q[g, hd] sharing the K/V head runs K, V [bs, hd]. */
 static void attn_block_scalar(const float *q, const float *K, const float *V, int64_t lo, int64_t hi, int64_t g,
-                              int64_t hd, float scale, float *m, float *l, float *acc, const float *Kn,
+                              int64_t hd, float scale, float cap, float *m, float *l, float *acc, const float *Kn,
                               const float *Vn) {
     float s[ATTN_MAX_G * ATTN_MAX_BS] __attribute__((aligned(64)));  /* the block's scores, per query head */
     const int64_t n = hi - lo;
@@ -338,7 +349,7 @@ static void attn_block_scalar(const float *q, const float *K, const float *V, in
     }
     for (int64_t j = 0; j < g; j++) {
         float *sj = s + j * n, *accj = acc + j * hd;
-        const float c = attn_softmax_block(sj, n, m + j, l + j);
+        const float c = attn_softmax_block(sj, n, m + j, l + j, cap);
         if (c != 1.f) {
             #pragma omp simd
             for (int64_t c2 = 0; c2 < hd; c2++) accj[c2] *= c;
@@ -381,7 +392,7 @@ static const float attn_zero_row[128] __attribute__((aligned(64)));
  * query and accumulator vectors live in registers). */
 #define ATTN_BLOCK_VEC(HDV, GH)                                                                               \
 static void attn_block_##HDV##_##GH(const float *q, const float *K, const float *V, int64_t lo, int64_t hi,   \
-                                    float scale, float *m, float *l, float *acc, const float *Kn,             \
+                                    float scale, float cap, float *m, float *l, float *acc, const float *Kn,  \
                                     const float *Vn) {                                                        \
     const int64_t hd = 16 * HDV, n = hi - lo;                                                                \
     float s[GH][ATTN_MAX_BS + 16] __attribute__((aligned(64)));                                              \
@@ -405,7 +416,7 @@ static void attn_block_##HDV##_##GH(const float *q, const float *K, const float 
     }                                                                                                         \
     vf16 av[GH][HDV];                                                                                         \
     for (int j = 0; j < GH; j++) {                                                                            \
-        const float c = attn_softmax_block(s[j], n, m + j, l + j);                                            \
+        const float c = attn_softmax_block(s[j], n, m + j, l + j, cap);                                            \
         for (int cc = 0; cc < HDV; cc++) av[j][cc] = vload(acc + j * hd + 16 * cc) * c;                       \
     }                                                                                                         \
     for (int64_t i = 0; i < n; i++) {                                                                         \
@@ -441,7 +452,7 @@ static inline __m128 attn_sum4(const __m256 *v) {  /* lane i = the sum of v[i]'s
 }
 #define ATTN_BLOCK_AVX2(HDV)                                                                            \
 static void attn_block_avx2_##HDV(const float *q, const float *K, const float *V, int64_t lo, int64_t hi,     \
-                                  float scale, float *m, float *l, float *acc, const float *Kn,               \
+                                  float scale, float cap, float *m, float *l, float *acc, const float *Kn,    \
                                   const float *Vn) {                                                          \
     const int64_t hd = 8 * HDV, n = hi - lo;                                                                 \
     float s[ATTN_MAX_BS + 8] __attribute__((aligned(32)));                                                   \
@@ -461,7 +472,7 @@ static void attn_block_avx2_##HDV(const float *q, const float *K, const float *V
             for (int r = 0; r < 4; r++) part[r] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k[r] + 8 * c), part[r]); \
         _mm_store_ps(s + i0, _mm_mul_ps(attn_sum4(part), _mm256_castps256_ps128(sc)));                        \
     }                                                                                                         \
-    const __m256 cf = _mm256_set1_ps(attn_softmax_block(s, n, m, l));                                         \
+    const __m256 cf = _mm256_set1_ps(attn_softmax_block(s, n, m, l, cap));                                         \
     __m256 av[HDV];                                                                                           \
     for (int c = 0; c < HDV; c++) av[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), cf);                    \
     for (int64_t i = 0; i < n; i++) {                                                                         \
@@ -477,14 +488,15 @@ ATTN_BLOCK_AVX2(8) ATTN_BLOCK_AVX2(16)
 
 /* One block of one KV head for its g query heads, on the vector path when hd is 64 or 128. */
 static void attn_block(const float *q, const float *K, const float *V, int64_t lo, int64_t hi, int64_t g,
-                       int64_t hd, float scale, float *m, float *l, float *acc, const float *Kn, const float *Vn) {
-    typedef void (*block_fn)(const float *, const float *, const float *, int64_t, int64_t, float, float *, float *,
+                       int64_t hd, float scale, float cap, float *m, float *l, float *acc, const float *Kn,
+                       const float *Vn) {
+    typedef void (*block_fn)(const float *, const float *, const float *, int64_t, int64_t, float, float, float *, float *,
                              float *, const float *, const float *);
     if (hd == 64 || hd == 128) {
 #ifdef ATTN_AVX2
         const block_fn one = hd == 64 ? attn_block_avx2_8 : attn_block_avx2_16;
         for (int64_t j = 0; j < g; j++)  /* the first head's pass prefetches the next block */
-            one(q + j * hd, K, V, lo, hi, scale, m + j, l + j, acc + j * hd, j ? NULL : Kn, j ? NULL : Vn);
+            one(q + j * hd, K, V, lo, hi, scale, cap, m + j, l + j, acc + j * hd, j ? NULL : Kn, j ? NULL : Vn);
 #else
         static const block_fn by_heads64[] = {attn_block_4_1, attn_block_4_2, attn_block_4_3, attn_block_4_4};
         static const block_fn by_heads128[] = {attn_block_8_1, attn_block_8_2};
@@ -492,12 +504,12 @@ static void attn_block(const float *q, const float *K, const float *V, int64_t l
         const int64_t most = hd == 64 ? 4 : 2;
         for (int64_t j = 0; j < g; j += most) {  /* query heads in register-sized groups; K/V rows stay in L1 */
             const int64_t gh = g - j < most ? g - j : most;
-            fns[gh - 1](q + j * hd, K, V, lo, hi, scale, m + j, l + j, acc + j * hd, j ? NULL : Kn, j ? NULL : Vn);
+            fns[gh - 1](q + j * hd, K, V, lo, hi, scale, cap, m + j, l + j, acc + j * hd, j ? NULL : Kn, j ? NULL : Vn);
         }
 #endif
         return;
     }
-    attn_block_scalar(q, K, V, lo, hi, g, hd, scale, m, l, acc, Kn, Vn);
+    attn_block_scalar(q, K, V, lo, hi, g, hd, scale, cap, m, l, acc, Kn, Vn);
 }
 
 static void attn_unit(const void *args, int64_t unit) {
@@ -527,7 +539,7 @@ static void attn_unit(const void *args, int64_t unit) {
         for (int64_t h = h0; h < h0 + per; h++) {
             const int64_t j0 = (h - h0) * g;
             attn_block(a->q + b * a->sq + h * g * hd, page + h * bs * hd, page + (a->kv + h) * bs * hd, lo, hi, g,
-                       hd, a->scale, m + j0, l + j0, acc + j0 * hd, next ? next + h * bs * hd : NULL,
+                       hd, a->scale, a->cap, m + j0, l + j0, acc + j0 * hd, next ? next + h * bs * hd : NULL,
                        next ? next + (a->kv + h) * bs * hd : NULL);
         }
     }
@@ -543,10 +555,10 @@ static void attn_unit(const void *args, int64_t unit) {
 int paged_decode_attention_f32(int64_t B, const float *q, int64_t sq, const float *pages, int64_t page_stride,
                                const int64_t *blocks, int64_t nb, const int64_t *lens, float *out, int64_t so,
                                int64_t kv, int64_t g, int64_t hd, int64_t bs, int64_t window, float scale,
-                               int nthreads) {
+                               float cap, int nthreads) {
     if (g < 1 || g > ATTN_MAX_G || hd < 1 || g * hd > ATTN_MAX_ACC || bs < 1 || bs > ATTN_MAX_BS) return -1;
     const int64_t per = kv * g * hd <= ATTN_MAX_ACC && kv * g <= ATTN_MAX_H ? kv : 1;
-    attn_args a = {q, pages, blocks, lens, out, sq, so, page_stride, nb, kv, g, hd, bs, window, scale, per, B,
+    attn_args a = {q, pages, blocks, lens, out, sq, so, page_stride, nb, kv, g, hd, bs, window, scale, cap, per, B,
                    nthreads > 1 ? nthreads : 1};
     parallel_for_team(attn_unit, &a, B * (kv / per), nthreads);
     return 0;
@@ -569,7 +581,7 @@ typedef struct {
     const int64_t *blocks;   /* [nb] the sequence's page ids */
     float *out;              /* [n, KV * g * hd], row stride so */
     int64_t n, start, sq, so, page_stride, kv, g, hd, bs, window, tile, tiles;
-    float scale;
+    float scale, cap;
 } prefill_attn_args;
 
 #define PREFILL_MAX_STATES 512  /* rows x query heads of one tile */
@@ -594,7 +606,7 @@ static void prefill_attn_unit(const void *args, int64_t unit) {
             const int64_t lo = (from > t0 ? from : t0) - t0, hi = min64(len, t0 + bs) - t0;
             if (hi <= lo) continue;
             const int64_t j0 = (r - r0) * g;
-            attn_block(a->q + r * a->sq + h * g * hd, K, V, lo, hi, g, hd, a->scale, m + j0, l + j0, acc + j0 * hd,
+            attn_block(a->q + r * a->sq + h * g * hd, K, V, lo, hi, g, hd, a->scale, a->cap, m + j0, l + j0, acc + j0 * hd,
                        next && r == r0 ? next + h * bs * hd : NULL, next && r == r0 ? next + (a->kv + h) * bs * hd : NULL);
         }
     }
@@ -612,7 +624,7 @@ static void prefill_attn_unit(const void *args, int64_t unit) {
 /* Returns 0, or -1 when the shapes are beyond the kernel's fixed bounds (the caller then gathers). */
 int paged_prefill_attention_f32(int64_t n, const float *q, int64_t sq, const float *pages, int64_t page_stride,
                                 const int64_t *blocks, int64_t start, float *out, int64_t so, int64_t kv, int64_t g,
-                                int64_t hd, int64_t bs, int64_t window, float scale, int nthreads) {
+                                int64_t hd, int64_t bs, int64_t window, float scale, float cap, int nthreads) {
     if (n < 1 || start < 0 || g < 1 || g > ATTN_MAX_G || hd < 1 || g * hd > ATTN_MAX_ACC || g > PREFILL_MAX_STATES
         || bs < 1 || bs > ATTN_MAX_BS) return -1;
     int64_t most = ATTN_MAX_ACC / (g * hd);
@@ -624,7 +636,7 @@ int paged_prefill_attention_f32(int64_t n, const float *q, int64_t sq, const flo
     if (tile < 1) tile = 1;
     const int64_t tiles = (n + tile - 1) / tile;
     prefill_attn_args a = {q, pages, blocks, out, n, start, sq, so, page_stride, kv, g, hd, bs, window, tile, tiles,
-                           scale};
+                           scale, cap};
     parallel_for_team(prefill_attn_unit, &a, kv * tiles, nthreads);
     return 0;
 }
@@ -759,6 +771,30 @@ void swiglu_f32(int64_t T, int64_t n, const float *gu, int64_t sg, float *out, i
     const int64_t per = rows_two_units_a_thread(T, T * n, SWIGLU_TEAM_MIN, nthreads);
     swiglu_args a = {gu, out, sg, so, n, per, T};
     parallel_for_team(swiglu_unit, &a, (T + per - 1) / per, nthreads);
+}
+
+/* GeGLU's gate with the tanh GELU (Gemma: gelu_pytorch_tanh), gelu(g) * u: 0.5 g (1 + tanh(z)) with
+ * z = sqrt(2 / pi) (g + 0.044715 g^3), written as g / (1 + exp(-2z)) (the same function) so that it vectorises as
+ * SwiGLU's sigmoid does. */
+static void geglu_unit(const void *args, int64_t unit) {
+    const swiglu_args *a = (const swiglu_args *)args;
+    const int64_t t1 = min64(a->T, (unit + 1) * a->rows_per_unit), n = a->n;
+    const float k2 = -2.f * 0.7978845608028654f;
+    for (int64_t t = unit * a->rows_per_unit; t < t1; t++) {
+        const float *g = a->gu + t * a->sg, *u = g + n;
+        float *o = a->out + t * a->so;
+        EXP_SIMD
+        for (int64_t c = 0; c < n; c++) {
+            const float x = g[c], z = k2 * (x + 0.044715f * x * x * x);
+            o[c] = x / (1.f + expf(fminf(z, 88.f))) * u[c];
+        }
+    }
+}
+
+void geglu_tanh_f32(int64_t T, int64_t n, const float *gu, int64_t sg, float *out, int64_t so, int nthreads) {
+    const int64_t per = rows_two_units_a_thread(T, T * n, SWIGLU_TEAM_MIN, nthreads);
+    swiglu_args a = {gu, out, sg, so, n, per, T};
+    parallel_for_team(geglu_unit, &a, (T + per - 1) / per, nthreads);
 }
 
 /* ---- greedy pick: each row's first index of its largest value ------------------------------------------

@@ -18,7 +18,9 @@ import torch
 from demo.tiny_base import build_tiny_base
 from inference_worker.model import ModelRunner, SeqStep
 from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
+from kernels import gemm_available
 from tests.engine.test_model_parity import (
+    NO_ONEDNN,
     PACKED,
     PACKED_IDS,
     PROMPT,
@@ -665,7 +667,8 @@ def test_the_tiny_gemmas_have_every_feature_switched_on(tiny_gemma2, tiny_gemma3
 
     r2 = ModelRunner(tiny_gemma2, pool_pages=64, enable_lora=False)
     assert r2.config.sliding_windows == [6, None, 6, None] and r2.config.attn_logit_softcapping == 4.0
-    assert r2.config.query_pre_attn_scalar == 20 and r2.config.local_rope is None and r2.step_kernels is False
+    assert r2.config.query_pre_attn_scalar == 20 and r2.config.local_rope is None
+    assert r2.step_kernels is True and r2.attention_scale == 20 ** -0.5  # the native step kernels soft-cap too
     r3 = ModelRunner(tiny_gemma3, pool_pages=64, enable_lora=False)
     assert r3.config.sliding_windows == [6, 6, None, 6] and r3.config.attn_logit_softcapping is None
     assert (r3.config.rope_theta, r3.config.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 4.0})
@@ -728,12 +731,14 @@ def test_gemma_chunked_prefill_then_decode_follows_transformers_across_the_windo
 
 
 def test_gemma2_soft_capped_prompt_attention_in_query_blocks_gives_transformers_logits(tiny_gemma2, monkeypatch):
-    """On CPU a long prompt's soft-capped attention goes in blocks of queries whose scores fit SOFTCAP_SCORES_BYTES;
-    with blocks of a few rows (a budget of 4000 bytes here) the logits are still transformers'."""
+    """Off the native kernels (the path of CUDA and of a CPU without a C compiler) a long prompt's soft-capped
+    attention on CPU goes in blocks of queries whose scores fit SOFTCAP_SCORES_BYTES; with blocks of a few rows (a
+    budget of 4000 bytes here) the logits are still transformers'."""
     import inference_worker.model as model_module
 
     monkeypatch.setattr(model_module, "SOFTCAP_SCORES_BYTES", 4000)  # 4 heads x 21-30 keys: blocks of 8-11 rows
-    runner = ModelRunner(tiny_gemma2, pool_pages=256)
+    runner = ModelRunner(tiny_gemma2, pool_pages=256, step_kernels=False)
+    runner.native_attention = False  # torch's softcapped_attention, as on CUDA
     model = hf_model(tiny_gemma2)
     prompt = (PROMPT * 3)[:30]
     with torch.no_grad():
@@ -776,7 +781,16 @@ GEMMA_ADAPTERS = [(8, 16, False, ("q_proj", "k_proj")),
                   (32, 64, False, ALL_TARGETS)]
 
 
-@pytest.mark.parametrize("packed", PACKED, ids=PACKED_IDS)
+# Gemma's layers on every path: torch's small ops and softcapped_attention (no native kernels: CUDA's path, run on
+# CPU), and the native step kernels with the LoRA terms fused into the native GEMMs (what AMD hosts run by default)
+GEMMA_PATHS = [*PACKED,
+               pytest.param({"packed_weights": True, "native_gemm": True, "fuse_lora": True},
+                            marks=pytest.mark.skipif(NO_ONEDNN or not gemm_available(), reason="no native GEMM")),
+               {"packed_weights": False, "step_kernels": False, "native_attention": False}]
+GEMMA_PATH_IDS = [*PACKED_IDS, "native-gemm-fused-lora", "torch-only"]
+
+
+@pytest.mark.parametrize("packed", GEMMA_PATHS, ids=GEMMA_PATH_IDS)
 @pytest.mark.parametrize("arch", GEMMAS)
 def test_gemma_mixed_batch_of_peft_adapters_matches_peft_on_every_request(request, tmp_path, arch, packed):
     from peft import PeftModel
@@ -785,7 +799,10 @@ def test_gemma_mixed_batch_of_peft_adapters_matches_peft_on_every_request(reques
     dirs = [make_random_peft_adapter(base, tmp_path / f"a{r}", r=r, alpha=alpha, use_rslora=rs,
                                      target_modules=targets, seed=r)
             for r, alpha, rs, targets in GEMMA_ADAPTERS]
+    packed = dict(packed)
+    native_attention = packed.pop("native_attention", True)
     runner = ModelRunner(base, pool_pages=512, max_lora_rank=32, **packed)
+    runner.native_attention = native_attention and runner.native_attention
     slots = [load_peft_into(runner, d) for d in dirs] + [-1]
     requests = list(zip(PROMPTS, slots, strict=True))
     n = 24
