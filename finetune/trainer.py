@@ -16,8 +16,9 @@ training queue. Invariants:
   running under this trainer. A trainer killed anywhere before that commit leaves no adapter, no version and no
   provenance (at most an unreferenced blob); a job cancelled meanwhile publishes nothing.
 - On a CPU host the trainer runs at a lower scheduling priority (`LORAFLEET_TRAINER_NICE`, default 10 nicer) than the
-  inference worker it shares the cores with, so a tenant's chat slows less while another trains
-  (bench/RESULTS.md); training's arithmetic is unchanged (the same threads, the same order of sums).
+  inference worker it shares the cores with, and holds its work between layers while an engine on the host has
+  requests in hand (inference_worker/busy.py, `LORAFLEET_TRAINER_YIELD`), so a tenant's chat keeps its pace while
+  another trains (bench/RESULTS.md); training's arithmetic is unchanged (the same threads, the same order of sums).
 """
 from __future__ import annotations
 
