@@ -20,8 +20,10 @@ loop, and the time from `files.create` to the first answer of the new adapter on
   while tenant A asks the base a one-line question (max_tokens 32, greedy, ignore_eos: 32 tokens every time).
   A's requests come in pairs, one with the trainer stopped (SIGSTOP to its process group: "solo") and one with it
   training (SIGCONT: "during"), each after the same one-second pause, the order alternating pair
-  by pair, so a change in the host's other load falls on both sides. Once per pass, each with a fresh trainer: at
-  the default LORAFLEET_TRAINER_NICE (10), then at 0 (the trainer as nice as the worker). The figure is the ratio
+  by pair, so a change in the host's other load falls on both sides. Once per pass, each with a fresh trainer: the
+  defaults (niceness 10, holding its work while the engine has requests in hand: inference_worker/busy.py), then
+  'noyield' (niceness 10, LORAFLEET_TRAINER_YIELD=0: the niceness alone); `--latency-passes` also takes a
+  niceness (0: the trainer as nice as the worker) and 'idle' (SCHED_IDLE set from here). The figure is the ratio
   during / solo of A's request seconds, median and p95, within each trainer's own pairs, and the same pair by
   pair (each pair's two requests ran seconds apart: the steadier figure on a host whose other load moves); with
   the trainer's steps in the measurement, what the trainer got meanwhile.
@@ -277,8 +279,10 @@ def _trainer_pass(stack, env: dict, root: Path, key: str, trainee_key: str, nice
     from tests.e2e.conftest import PYTHON, Proc, wait_until
 
     idle = nice == "idle"  # an experiment: the default niceness, and SCHED_IDLE set on the trainer from here
+    no_yield = nice == "noyield"  # the default niceness without holding while the engine is busy
     trainer = Proc(f"trainer-nice{nice}", [PYTHON, "manage.py", "run_trainer", "--base", SLUG],
-                   {**env, "LORAFLEET_TRAINER_NICE": "10" if idle else nice}, root)
+                   {**env, "LORAFLEET_TRAINER_NICE": "10" if idle or no_yield else nice,
+                    "LORAFLEET_TRAINER_YIELD": "0" if no_yield else "1"}, root)
     stack.procs.append(trainer)
     a = openai.OpenAI(base_url=stack.web_url + "/v1", api_key=key, max_retries=0, timeout=300)
     b = openai.OpenAI(base_url=stack.web_url + "/v1", api_key=trainee_key, max_retries=0, timeout=300)
@@ -400,8 +404,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="speed: timed runs of each, best kept")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the core's default)")
-    parser.add_argument("--latency-passes", default="10,0",
-                        help="latency: LORAFLEET_TRAINER_NICE of each pass; 'idle': 10 and SCHED_IDLE (experiment)")
+    parser.add_argument("--latency-passes", default="10,noyield",
+                        help="latency: LORAFLEET_TRAINER_NICE of each pass (holding while the engine is busy, the "
+                             "default); 'noyield': 10 without the holds; 'idle': 10 and SCHED_IDLE (experiment)")
     parser.add_argument("--latency-pairs", type=int, default=16, help="latency: solo/during request pairs per trainer")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()

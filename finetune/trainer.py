@@ -16,8 +16,9 @@ training queue. Invariants:
   running under this trainer. A trainer killed anywhere before that commit leaves no adapter, no version and no
   provenance (at most an unreferenced blob); a job cancelled meanwhile publishes nothing.
 - On a CPU host the trainer runs at a lower scheduling priority (`LORAFLEET_TRAINER_NICE`, default 10 nicer) than the
-  inference worker it shares the cores with, so a tenant's chat slows less while another trains
-  (bench/RESULTS.md); training's arithmetic is unchanged (the same threads, the same order of sums).
+  inference worker it shares the cores with, and holds its work between layers while an engine on the host has
+  requests in hand (inference_worker/busy.py, `LORAFLEET_TRAINER_YIELD`), so a tenant's chat keeps its pace while
+  another trains (bench/RESULTS.md); training's arithmetic is unchanged (the same threads, the same order of sums).
 """
 from __future__ import annotations
 
@@ -90,6 +91,39 @@ def yield_cpu_to_inference(increment: int) -> int:
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
     return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def trainer_yields() -> bool:
+    """LORAFLEET_TRAINER_YIELD: whether a CPU trainer holds its work while an inference engine on this host runs
+    requests (inference_worker/busy.py); on by default, 0 turns it off."""
+    return os.environ.get("LORAFLEET_TRAINER_YIELD", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def trainer_yield_max_s() -> float:
+    """LORAFLEET_TRAINER_YIELD_MAX_S: the longest a trainer holds at a stretch before it works on regardless (2 s of
+    work, then it yields again): default 30."""
+    raw = os.environ.get("LORAFLEET_TRAINER_YIELD_MAX_S", "").strip()
+    try:
+        value = float(raw) if raw else 30.0
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ImproperlyConfigured(f"LORAFLEET_TRAINER_YIELD_MAX_S must be a number of seconds above 0, got {raw!r}.")
+    return value
+
+
+def _yield_gate():
+    """A started watcher of this host's engines and the gate training calls, or None: on CUDA (the engines' steps
+    are not on these cores) or with LORAFLEET_TRAINER_YIELD=0."""
+    import torch
+
+    from inference_worker.busy import EngineWatcher, YieldGate
+
+    if not trainer_yields() or torch.cuda.is_available():
+        return None
+    watcher = EngineWatcher()
+    watcher.start()
+    return YieldGate(watcher, max_pause_s=trainer_yield_max_s())
 
 
 def trainer_id(base_slug: str) -> str:
@@ -219,16 +253,24 @@ def _train_and_publish(job: FineTuningJob, owner: str, core: ModuleType, workdir
 
     events = _Events(job)
     started = time.monotonic()
+    gate = _yield_gate()
     try:
         result = core.train_lora(Path(job.base.checkpoint_path), train.examples, valid.examples if valid else None,
-                                 _settings(core, job), workdir / "adapter", on_event=events, should_cancel=should_cancel)
+                                 _settings(core, job), workdir / "adapter", on_event=events, should_cancel=should_cancel,
+                                 **({"pause": gate.wait} if gate is not None else {}))
     except core.Cancelled:
         add_event(job, f"Training stopped at step {events.last_step}: the job was cancelled; no model was created")
         return JobStatus.CANCELLED
     except ValueError as exc:
         fail_job(job, "invalid_training_data", str(exc), only_if=(JobStatus.RUNNING,), trainer_id=owner)
         return JobStatus.FAILED
+    finally:
+        if gate is not None:
+            gate.watcher.stop()
     seconds = time.monotonic() - started
+    if gate is not None and gate.pauses:
+        add_event(job, f"Training held {gate.pauses} time(s), {gate.paused_s:.1f} s in all, while inference on the same "
+                       f"CPU cores ran requests")
     if result.valid_loss is not None:
         add_event(job, f"Validation loss={result.valid_loss:.4f}", type=JobEvent.Type.METRICS,
                   data={"step": result.steps, "valid_loss": float(result.valid_loss)})

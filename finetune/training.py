@@ -288,13 +288,17 @@ def _batches(n: int, batch_size: int, gen: torch.Generator) -> list[list[int]]:
 
 def train_lora(base_dir: Path, train: list[dict], valid: list[dict] | None, settings: TrainSettings, out_dir: Path,
                *, on_event: Callable[[dict], None], should_cancel: Callable[[], bool],
-               threads: int | None = None, device: str | None = None) -> TrainResult:
+               threads: int | None = None, device: str | None = None,
+               pause: Callable[[], None] | None = None) -> TrainResult:
     """Train a LoRA adapter on `base_dir` from chat examples and write it (PEFT format) to `out_dir`.
 
     `train`/`valid`: parsed chat examples ({"messages": [...]}, optional `weight` 0|1 on assistant turns).
     `threads`: CPU threads (default `default_threads()`); `device`: "cpu", "cuda", ... (default: CUDA if any).
     Raises ValueError for unusable data or settings (naming the example and why), Cancelled when
     `should_cancel()` says so between steps; `out_dir` is only ever the complete adapter (replaced whole).
+    `pause`: called before each decoder layer's forward and after each LoRA weight's gradient is accumulated (and
+    before each step); it may block, to hold training while something else needs the cores (the trainer's
+    inference_worker.busy.YieldGate). Blocking changes when, not what, is computed.
     """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -331,17 +335,31 @@ def train_lora(base_dir: Path, train: list[dict], valid: list[dict] | None, sett
         except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"
             raise ValueError(f"LoRA target modules {list(settings.target_modules)} do not fit this base: {exc}") from None
         model.to(dev)
+    handles = _hold_points(model, pause) if pause is not None else []
     try:
         return _run(model, tokenizer, train_enc, valid_enc, settings, out_dir, pad_id=pad_id, device=dev,
-                    on_event=on_event, should_cancel=should_cancel)
+                    on_event=on_event, should_cancel=should_cancel, pause=pause)
     finally:
+        for handle in handles:
+            handle.remove()
         torch.set_num_threads(previous[0])
         torch.use_deterministic_algorithms(previous[1], warn_only=previous[2])
 
 
+def _hold_points(model, pause: Callable[[], None]) -> list:
+    """Where training may be held: before each decoder layer's forward (a module pre-hook) and as each trainable
+    (LoRA) weight's gradient is accumulated in the backward pass (a post-accumulate-grad hook), i.e. every few tens of
+    milliseconds of a CPU step. Neither hook touches a tensor. Returns the handles."""
+    handles = [m.register_forward_pre_hook(lambda *_: pause()) for m in model.modules()
+               if type(m).__name__.endswith("DecoderLayer")]
+    handles += [p.register_post_accumulate_grad_hook(lambda _p: pause()) for p in model.parameters()
+                if p.requires_grad]
+    return handles
+
+
 def _run(model, tokenizer, train_enc: list[Encoded], valid_enc: list[Encoded], settings: TrainSettings,
          out_dir: Path, *, pad_id: int, device: torch.device, on_event: Callable[[dict], None],
-         should_cancel: Callable[[], bool]) -> TrainResult:
+         should_cancel: Callable[[], bool], pause: Callable[[], None] | None = None) -> TrainResult:
     gen = torch.Generator().manual_seed(settings.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.learning_rate, betas=(0.9, 0.98), weight_decay=0.0)
@@ -357,6 +375,8 @@ def _run(model, tokenizer, train_enc: list[Encoded], valid_enc: list[Encoded], s
     for epoch in range(settings.n_epochs):
         last_epoch_losses = []
         for picks in _batches(len(train_enc), settings.batch_size, gen):
+            if pause is not None:
+                pause()
             if should_cancel():
                 raise Cancelled(f"cancelled before step {step + 1} of {total}")
             for group in opt.param_groups:

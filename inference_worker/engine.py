@@ -306,6 +306,7 @@ class Engine:
         prefill_step_factor: float = 1.5,
         step_cost: StepCost | None = None,
         reserve_full: bool = False,
+        busy_flag=None,
     ):
         self.runner = runner
         self.tokenizer = runner.tokenizer
@@ -327,6 +328,9 @@ class Engine:
         # True: a sequence reserves the KV of prompt + max_tokens when it starts, as the engine did before KV was
         # taken on demand (issue 46); kept for comparisons (bench/scheduling.py), never for serving
         self.reserve_full = reserve_full
+        # inference_worker.busy.EngineBusyFlag (the worker's): marked while requests are in hand, for a CPU trainer on
+        # the same host to hold its work meanwhile; None (tests, benches) marks nothing
+        self.busy_flag = busy_flag
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._waiting: deque[_Request] = deque()  # requests with no running sequence: new, or all preempted
@@ -441,7 +445,11 @@ class Engine:
         team_released = False
         while not self._stopping:
             try:
+                if self.busy_flag is not None:  # before the step: a trainer holds its work from the first one on
+                    self.busy_flag.set(bool(self._running or self._waiting or not self._inbox.empty()))
                 if not self.run_step():
+                    if self.busy_flag is not None:
+                        self.busy_flag.set(False)
                     if not team_released:  # idle: no OpenMP team held for nothing (inference_worker/openmp.py)
                         team_released = release_thread_team()
                     self._wake.wait(0.05)

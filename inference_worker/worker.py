@@ -169,6 +169,7 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
     global _runtime
     import torch
 
+    from .busy import EngineBusyFlag
     from .engine import Engine
     from .model import ModelRunner
 
@@ -206,8 +207,11 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
         step_factor = float(os.environ.get("LORAFLEET_WORKER_PREFILL_STEP_FACTOR", "1.5"))
         if not step_factor > 1.0:
             raise ValueError("LORAFLEET_WORKER_PREFILL_STEP_FACTOR must be a number above 1 (1.5 by default)")
+        # on CPU: a file that says while requests are in hand, for a trainer on these cores to hold its work
+        # (inference_worker/busy.py); a GPU engine's steps leave the host's cores to others anyway
+        busy_flag = EngineBusyFlag() if torch.device(device).type == "cpu" else None
         engine = Engine(runner, load_blob, max_running=max_running, prefill_chunk=prefill_chunk, fair=fair,
-                        prefix_cache=prefix_cache, prefill_step_factor=step_factor, **host_cache)
+                        prefix_cache=prefix_cache, prefill_step_factor=step_factor, busy_flag=busy_flag, **host_cache)
         engine.start()
         _runtime = WorkerRuntime(base_slug=base_slug, base_sha256=base_sha256, queue=queue,
                                  checkpoint_path=str(checkpoint_path), engine=engine,

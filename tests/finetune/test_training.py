@@ -201,3 +201,24 @@ def test_unusable_settings_are_named(base, tmp_path):
     with pytest.raises(ValueError, match="no_such_proj"):
         train_lora(base, EXAMPLES, None, TrainSettings(**{**bad.__dict__, "n_epochs": 1}), tmp_path / "out",
                    on_event=quiet, should_cancel=never)
+
+
+def test_a_held_training_writes_the_same_adapter_and_is_held_in_every_layer_and_lora_gradient(base, tmp_path):
+    """The trainer's pause (inference_worker.busy.YieldGate.wait) is called before every decoder layer's forward and
+    after every LoRA weight's gradient: holding there changes when training computes, never what."""
+    calls = []
+
+    def pause() -> None:
+        calls.append(1)
+        if len(calls) % 7 == 0:  # held now and then, as while an inference engine runs requests
+            import time
+            time.sleep(0.002)
+
+    held = train_lora(base, EXAMPLES, EXAMPLES[:2], SETTINGS, tmp_path / "held", on_event=quiet, should_cancel=never,
+                      pause=pause)
+    free = train_lora(base, EXAMPLES, EXAMPLES[:2], SETTINGS, tmp_path / "free", on_event=quiet, should_cancel=never)
+    assert weights_sha(held.adapter_dir) == weights_sha(free.adapter_dir)
+    assert (held.train_loss, held.valid_loss) == (free.train_loss, free.valid_loss)
+    # 6 steps x (2 forwards, the shared prefix's and the batch's, of 2 layers + 2 layers x 2 targets x (A, B)
+    # gradients) + 6 step starts, plus validation's two forwards of 2 layers
+    assert len(calls) == 6 * (2 * 2 + 8) + 6 + 2 * 2

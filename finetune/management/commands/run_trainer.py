@@ -7,8 +7,10 @@ jobs whose trainer stopped beating (finetune/jobs.py reap_lost_jobs).
 
 On the CPU the trainer shares the cores with the inference worker, so it yields them: it runs
 LORAFLEET_TRAINER_NICE nicer than it was started (default 10, as `nice -n 10`; 0 leaves it) and its OpenMP threads
-sleep when idle (OMP_WAIT_POLICY=PASSIVE unless set), both set before torch is loaded. The thread count, hence the
-arithmetic, is unchanged. On CUDA the trainer has its own device and keeps its priority.
+sleep when idle (OMP_WAIT_POLICY=PASSIVE unless set), both set before torch is loaded. And it holds its work between
+one layer and the next while an inference engine on this host has requests in hand (inference_worker/busy.py;
+LORAFLEET_TRAINER_YIELD=0 turns that off, LORAFLEET_TRAINER_YIELD_MAX_S bounds a hold, default 30 s). The thread
+count, hence the arithmetic, is unchanged. On CUDA the trainer has its own device and keeps its priority.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from finetune import tasks
 from finetune.jobs import reap_lost_jobs
 from finetune.models import FineTuningJob
 from finetune.queue import training_queue
-from finetune.trainer import trainer_id, trainer_nice, yield_cpu_to_inference
+from finetune.trainer import trainer_id, trainer_nice, trainer_yield_max_s, trainer_yields, yield_cpu_to_inference
 
 
 class Command(BaseCommand):
@@ -43,9 +45,13 @@ class Command(BaseCommand):
             raise CommandError(f"Base model {base.slug!r} has no local checkpoint_path to train on.")
         try:
             nice = trainer_nice()
+            hold = trainer_yield_max_s()
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
         priority = self._yield_cpu(nice)
+        if trainer_yields() and "CPU" in priority:
+            priority += f"; holds its work while an inference engine on this host runs requests (at most {hold:g} s " \
+                        f"at a stretch)"
         owner = trainer_id(base.slug)
         tasks.OWNER["id"] = owner
         reaped = reap_lost_jobs(FineTuningJob.objects.filter(base=base))
