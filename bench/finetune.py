@@ -284,7 +284,12 @@ def _trainer_pass(stack, env: dict, root: Path, key: str, trainee_key: str, nice
                    {**env, "LORAFLEET_TRAINER_NICE": "10" if idle or no_yield else nice,
                     "LORAFLEET_TRAINER_YIELD": "0" if no_yield else "1"}, root)
     stack.procs.append(trainer)
-    a = openai.OpenAI(base_url=stack.web_url + "/v1", api_key=key, max_retries=0, timeout=300)
+    import httpx2  # the openai client's HTTP library
+
+    # a new connection a request: a kept-alive one that the web closes as the next request goes out ("server
+    # disconnected", 2026-12-07 16:36) would fail a sample, and a retry would time two
+    fresh = openai.DefaultHttpxClient(limits=httpx2.Limits(max_keepalive_connections=0))
+    a = openai.OpenAI(base_url=stack.web_url + "/v1", api_key=key, max_retries=0, timeout=300, http_client=fresh)
     b = openai.OpenAI(base_url=stack.web_url + "/v1", api_key=trainee_key, max_retries=0, timeout=300)
     try:
         wait_until(lambda: "ready" in trainer.tail(20000), 180, "trainer ready", (trainer,))

@@ -93,6 +93,28 @@ def yield_cpu_to_inference(increment: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
+def idle_scheduling() -> bool:
+    """Put every thread of this process under SCHED_IDLE (Linux): a thread of any other process that wakes takes
+    the core at once, instead of after the trainer's time slice. Threads started later inherit it. False where the
+    policy is not there (not Linux) or not allowed."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None:
+        return False
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    try:
+        for tid in tids:
+            try:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
+            except ProcessLookupError:
+                pass
+    except OSError:
+        return False
+    return os.sched_getscheduler(0) == policy
+
+
 def trainer_yields() -> bool:
     """LORAFLEET_TRAINER_YIELD: whether a CPU trainer holds its work while an inference engine on this host runs
     requests (inference_worker/busy.py); on by default, 0 turns it off."""

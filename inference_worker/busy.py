@@ -102,7 +102,7 @@ def busy_engines(directory: Path) -> list[int]:
 class EngineWatcher(threading.Thread):
     """Reads the engines' flags every `poll_s`; `idle` is set while none is busy."""
 
-    def __init__(self, directory: Path | None = None, poll_s: float = 0.01) -> None:
+    def __init__(self, directory: Path | None = None, poll_s: float = 0.002) -> None:
         super().__init__(name="engine-watcher", daemon=True)
         self.directory = Path(directory) if directory is not None else signal_dir()
         self.poll_s = poll_s

@@ -15,6 +15,14 @@ from tests.e2e.conftest import PYTHON, REPO, Proc, wait_until
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread niceness from /proc")
 
 
+def policy_of(tid: int) -> int | None:
+    """The thread's scheduling policy, None when it ended meanwhile."""
+    try:
+        return os.sched_getscheduler(tid)
+    except ProcessLookupError:
+        return None
+
+
 def thread_niceness(pid: int) -> dict[int, int]:
     """Every thread of `pid` and its nice value (/proc/PID/task/TID/stat, field 19)."""
     out = {}
@@ -84,6 +92,11 @@ def test_the_trainer_process_runs_at_the_configured_niceness(trainer_env, tmp_pa
         assert f"on the CPU at niceness {expected(increment)}" in trainer.tail(20000)
         threads = thread_niceness(trainer.popen.pid)
         assert set(threads.values()) == {expected(increment)}, threads
+        # nicer than it was started, a yielding trainer's threads are SCHED_IDLE too (a woken inference thread takes
+        # the core at once); at 0 it keeps its priority and its policy
+        policies = {policy_of(tid) for tid in threads} - {None}
+        assert policies == ({os.SCHED_IDLE} if increment else {os.SCHED_OTHER}), policies
+        assert ("under SCHED_IDLE" in trainer.tail(20000)) == bool(increment)
     finally:
         trainer.stop()
 

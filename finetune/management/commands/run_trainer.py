@@ -25,7 +25,14 @@ from finetune import tasks
 from finetune.jobs import reap_lost_jobs
 from finetune.models import FineTuningJob
 from finetune.queue import training_queue
-from finetune.trainer import trainer_id, trainer_nice, trainer_yield_max_s, trainer_yields, yield_cpu_to_inference
+from finetune.trainer import (
+    idle_scheduling,
+    trainer_id,
+    trainer_nice,
+    trainer_yield_max_s,
+    trainer_yields,
+    yield_cpu_to_inference,
+)
 
 
 class Command(BaseCommand):
@@ -75,5 +82,7 @@ class Command(BaseCommand):
 
         if torch.cuda.is_available():
             return f"on CUDA at niceness {os.getpriority(os.PRIO_PROCESS, 0)}"
-        return f"on the CPU at niceness {yield_cpu_to_inference(nice)}, OMP_WAIT_POLICY " \
+        niceness = yield_cpu_to_inference(nice)
+        idle = nice > 0 and trainer_yields() and idle_scheduling()  # both off: the trainer keeps its priority
+        return f"on the CPU at niceness {niceness}{' under SCHED_IDLE' if idle else ''}, OMP_WAIT_POLICY " \
                f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}"
