@@ -21,7 +21,7 @@ loop, and the time from `files.create` to the first answer of the new adapter on
   A's requests come in pairs, one with the trainer stopped (SIGSTOP to its process group: "solo") and one with it
   training (SIGCONT: "during"), each after the same one-second pause, the order alternating pair
   by pair, so a change in the host's other load falls on both sides. Once per pass, each with a fresh trainer: the
-  defaults (niceness 10, holding its work while the engine has requests in hand: inference_worker/busy.py), then
+  defaults (niceness 10, holding its work while the engine has requests in hand: transport/busy.py), then
   'noyield' (niceness 10, LORAFLEET_TRAINER_YIELD=0: the niceness alone); `--latency-passes` also takes a
   niceness (0: the trainer as nice as the worker) and 'idle' (SCHED_IDLE set from here). The figure is the ratio
   during / solo of A's request seconds, median and p95, within each trainer's own pairs, and the same pair by

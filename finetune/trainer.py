@@ -17,7 +17,7 @@ training queue. Invariants:
   provenance (at most an unreferenced blob); a job cancelled meanwhile publishes nothing.
 - On a CPU host the trainer runs at a lower scheduling priority (`LORAFLEET_TRAINER_NICE`, default 10 nicer) than the
   inference worker it shares the cores with, and holds its work between layers while an engine on the host has
-  requests in hand (inference_worker/busy.py, `LORAFLEET_TRAINER_YIELD`), so a tenant's chat keeps its pace while
+  requests in hand (transport/busy.py, `LORAFLEET_TRAINER_YIELD`), so a tenant's chat keeps its pace while
   another trains (bench/RESULTS.md); training's arithmetic is unchanged (the same threads, the same order of sums).
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ def idle_scheduling() -> bool:
 
 def trainer_yields() -> bool:
     """LORAFLEET_TRAINER_YIELD: whether a CPU trainer holds its work while an inference engine on this host runs
-    requests (inference_worker/busy.py); on by default, 0 turns it off."""
+    requests (transport/busy.py); on by default, 0 turns it off."""
     return os.environ.get("LORAFLEET_TRAINER_YIELD", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -139,7 +139,7 @@ def _yield_gate():
     are not on these cores) or with LORAFLEET_TRAINER_YIELD=0."""
     import torch
 
-    from inference_worker.busy import EngineWatcher, YieldGate
+    from transport.busy import EngineWatcher, YieldGate
 
     if not trainer_yields() or torch.cuda.is_available():
         return None

@@ -298,7 +298,7 @@ def train_lora(base_dir: Path, train: list[dict], valid: list[dict] | None, sett
     `should_cancel()` says so between steps; `out_dir` is only ever the complete adapter (replaced whole).
     `pause`: called before each decoder layer's forward and after each LoRA weight's gradient is accumulated (and
     before each step); it may block, to hold training while something else needs the cores (the trainer's
-    inference_worker.busy.YieldGate). Blocking changes when, not what, is computed.
+    transport.busy.YieldGate). Blocking changes when, not what, is computed.
     """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM

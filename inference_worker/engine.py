@@ -328,7 +328,7 @@ class Engine:
         # True: a sequence reserves the KV of prompt + max_tokens when it starts, as the engine did before KV was
         # taken on demand (issue 46); kept for comparisons (bench/scheduling.py), never for serving
         self.reserve_full = reserve_full
-        # inference_worker.busy.EngineBusyFlag (the worker's): marked while requests are in hand, for a CPU trainer on
+        # transport.busy.EngineBusyFlag (the worker's): marked while requests are in hand, for a CPU trainer on
         # the same host to hold its work meanwhile; None (tests, benches) marks nothing
         self.busy_flag = busy_flag
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

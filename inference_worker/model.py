@@ -33,9 +33,9 @@ from kernels import (
     GemmSide,
     StepArena,
     StepKernels,
+    geglu_tanh,
     gemm_available,
     gemm_side_helps,
-    geglu_tanh,
     paged_decode_attention,
     paged_prefill_attention,
     rope_kv_write,
@@ -844,7 +844,7 @@ class GemmaBlock(Block):
                          qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim))
             y = None
         else:  # every token on the kernel (soft-capped there where the layer is), or None
-            y = native.attention(layer, self.window)
+            y = native.attention(layer, self.window) if native is not None else None
         if y is None:
             v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)
             y = self.attend(qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], v, ctx)  # [T, q_dim]

@@ -169,7 +169,8 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
     global _runtime
     import torch
 
-    from .busy import EngineBusyFlag
+    from transport.busy import EngineBusyFlag
+
     from .engine import Engine
     from .model import ModelRunner
 
@@ -208,7 +209,7 @@ def build_runtime(*, base_slug: str, base_sha256: str, queue: str, checkpoint_pa
         if not step_factor > 1.0:
             raise ValueError("LORAFLEET_WORKER_PREFILL_STEP_FACTOR must be a number above 1 (1.5 by default)")
         # on CPU: a file that says while requests are in hand, for a trainer on these cores to hold its work
-        # (inference_worker/busy.py); a GPU engine's steps leave the host's cores to others anyway
+        # (transport/busy.py); a GPU engine's steps leave the host's cores to others anyway
         busy_flag = EngineBusyFlag() if torch.device(device).type == "cpu" else None
         engine = Engine(runner, load_blob, max_running=max_running, prefill_chunk=prefill_chunk, fair=fair,
                         prefix_cache=prefix_cache, prefill_step_factor=step_factor, busy_flag=busy_flag, **host_cache)

@@ -6,9 +6,10 @@ one projection lie in a flat weight buffer, once per adapter load/evict), `add_l
 and `paged_decode_attention` and `paged_prefill_attention` (CPU, fp32: decode and prompt-chunk attention read
 straight from the paged KV cache, soft-capping the scores where asked, as Gemma 2), `rms_norm`, `rope_kv_write`,
 `swiglu`, `geglu_tanh` and `argmax_rows` (CPU, fp32, one pass each), and `StepKernels` (those with a step's shapes
-checked and its buffers allocated once for all layers), and `gemm_pack` / `gemm` (CPU, fp32, AVX-512 or AVX2: the projections' GEMM on weights packed once, prefetching
-what `GemmSide` names meanwhile; `gemm_available`, `gemm_side_helps`), and `gemm_lora` (the same GEMM with a decode
-step's LoRA term of its projections fused in, described by `FusedLoraGroup`). Imports nothing of the project.
+checked and its buffers allocated once for all layers), and `gemm_pack` / `gemm` (CPU, fp32, AVX-512 or AVX2: the
+projections' GEMM on weights packed once, prefetching what `GemmSide` names meanwhile; `gemm_available`,
+`gemm_side_helps`), and `gemm_lora` (the same GEMM with a decode step's LoRA term of its projections fused in,
+described by `FusedLoraGroup`). Imports nothing of the project.
 (Hugging Face publishes an unrelated PyPI package also named `kernels`; never install it here.)"""
 from .cpu import FusedLoraGroup
 from .cpu_native import (
@@ -16,12 +17,12 @@ from .cpu_native import (
     StepArena,
     StepKernels,
     argmax_rows,
+    geglu_tanh,
     gemm,
     gemm_available,
     gemm_lora,
     gemm_pack,
     gemm_side_helps,
-    geglu_tanh,
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,

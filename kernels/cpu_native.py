@@ -608,9 +608,12 @@ class StepKernels:
         """RoPE and the KV write (rope_kv_write) of the fused q/k/v GEMM's output [T, q + 2 kv] (contiguous)
         into `layer`'s pages -> `layer`'s `qk` [T, heads + kv_heads, hd]. `local`: with the second table (`build`'s
         local_cos); None where there is none."""
-        if local and self._local is None:
-            return None
-        cos, sin = self._local if local else (self._cos, self._sin)
+        if local:
+            if self._local is None:
+                return None
+            cos, sin = self._local
+        else:
+            cos, sin = self._cos, self._sin
         qk = self._copy(layer)[2]
         rc = self.lib.rope_kv_write_f32(self.T, qkv.data_ptr(), self._qkv_stride, self.H, self.KV, self.hd,
                                         cos, sin, self.hd, qk.data_ptr(), self._pages[layer],

@@ -17,8 +17,8 @@ import torch
 
 from demo.tiny_base import build_tiny_base
 from inference_worker.model import ModelRunner, SeqStep
-from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
 from kernels import gemm_available
+from protocol.lora_layout import TARGET_MODULES as ALL_TARGETS
 from tests.engine.test_model_parity import (
     NO_ONEDNN,
     PACKED,

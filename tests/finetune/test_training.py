@@ -204,7 +204,7 @@ def test_unusable_settings_are_named(base, tmp_path):
 
 
 def test_a_held_training_writes_the_same_adapter_and_is_held_in_every_layer_and_lora_gradient(base, tmp_path):
-    """The trainer's pause (inference_worker.busy.YieldGate.wait) is called before every decoder layer's forward and
+    """The trainer's pause (transport.busy.YieldGate.wait) is called before every decoder layer's forward and
     after every LoRA weight's gradient: holding there changes when training computes, never what."""
     calls = []
 

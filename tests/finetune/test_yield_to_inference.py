@@ -1,5 +1,5 @@
 """A CPU trainer holds its work while an inference engine on the same host has requests in hand
-(inference_worker/busy.py): the engine's flag file, the watcher that reads every engine's flag, the gate training
+(transport/busy.py): the engine's flag file, the watcher that reads every engine's flag, the gate training
 waits at, and the engine's step loop marking itself busy exactly while it serves."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from inference_worker.busy import EngineBusyFlag, EngineWatcher, YieldGate, busy_engines
+from transport.busy import EngineBusyFlag, EngineWatcher, YieldGate, busy_engines
 
 
 def wait_for(predicate, timeout: float = 5.0) -> bool:

@@ -8,7 +8,7 @@ jobs whose trainer stopped beating (finetune/jobs.py reap_lost_jobs).
 On the CPU the trainer shares the cores with the inference worker, so it yields them: it runs
 LORAFLEET_TRAINER_NICE nicer than it was started (default 10, as `nice -n 10`; 0 leaves it) and its OpenMP threads
 sleep when idle (OMP_WAIT_POLICY=PASSIVE unless set), both set before torch is loaded. And it holds its work between
-one layer and the next while an inference engine on this host has requests in hand (inference_worker/busy.py;
+one layer and the next while an inference engine on this host has requests in hand (transport/busy.py;
 LORAFLEET_TRAINER_YIELD=0 turns that off, LORAFLEET_TRAINER_YIELD_MAX_S bounds a hold, default 30 s). The thread
 count, hence the arithmetic, is unchanged. On CUDA the trainer has its own device and keeps its priority.
 """
