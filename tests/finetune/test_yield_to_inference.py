@@ -120,12 +120,14 @@ def test_the_engine_is_marked_busy_while_a_request_is_in_hand_and_idle_after(tmp
     seen: list[bytes] = []
     try:
         assert wait_for(lambda: flag.path.read_bytes() == b"0")
-        handle = engine.submit(GenerationJob(request_id="r", adapter=None, prompt="Once upon a time", max_tokens=40,
+        handle = engine.submit(GenerationJob(request_id="r", adapter=None, prompt="Once upon a time", max_tokens=80,
                                              temperature=0.0, ignore_eos=True))
         for _ in handle.stream(timeout=60):
             seen.append(flag.path.read_bytes())
         assert handle.result(timeout=60).ok
-        assert seen and set(seen) == {b"1"}, "not marked busy while the answer was written"
+        # the first 10 chunks came while 70 more tokens were still to write (the last ones may be read after the engine
+        # finished the request and marked itself idle: that is right)
+        assert len(seen) >= 10 and set(seen[:10]) == {b"1"}, "not marked busy while the answer was written"
         assert wait_for(lambda: flag.path.read_bytes() == b"0"), "still marked busy after the answer"
     finally:
         engine.stop()
