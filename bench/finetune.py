@@ -2,7 +2,7 @@
 loop, and the time from `files.create` to the first answer of the new adapter on the real stack.
 
     .venv/bin/python bench/finetune.py [--only speed,e2e,latency] [--speed-examples 64] [--rounds 2] [--epochs 1]
-        [--latency-passes 10,0] [--latency-pairs 16] [--json f]
+        [--latency-passes 10,noyield] [--latency-pairs 16] [--json f]
     make bench-finetune
 
 - speed: the same chat examples (the demo's styles, demo/styles.py), the same LoRA (r=8, alpha 16 on q/k/v/o), the
@@ -23,7 +23,7 @@ loop, and the time from `files.create` to the first answer of the new adapter on
   by pair, so a change in the host's other load falls on both sides. Once per pass, each with a fresh trainer: the
   defaults (niceness 10, holding its work while the engine has requests in hand: transport/busy.py), then
   'noyield' (niceness 10, LORAFLEET_TRAINER_YIELD=0: the niceness alone); `--latency-passes` also takes a
-  niceness (0: the trainer as nice as the worker) and 'idle' (SCHED_IDLE set from here). The figure is the ratio
+  niceness (0: the trainer as nice as the worker). The figure is the ratio
   during / solo of A's request seconds, median and p95, within each trainer's own pairs, and the same pair by
   pair (each pair's two requests ran seconds apart: the steadier figure on a host whose other load moves); with
   the trainer's steps in the measurement, what the trainer got meanwhile.
@@ -278,10 +278,9 @@ def _trainer_pass(stack, env: dict, root: Path, key: str, trainee_key: str, nice
 
     from tests.e2e.conftest import PYTHON, Proc, wait_until
 
-    idle = nice == "idle"  # an experiment: the default niceness, and SCHED_IDLE set on the trainer from here
     no_yield = nice == "noyield"  # the default niceness without holding while the engine is busy
     trainer = Proc(f"trainer-nice{nice}", [PYTHON, "manage.py", "run_trainer", "--base", SLUG],
-                   {**env, "LORAFLEET_TRAINER_NICE": "10" if idle or no_yield else nice,
+                   {**env, "LORAFLEET_TRAINER_NICE": "10" if no_yield else nice,
                     "LORAFLEET_TRAINER_YIELD": "0" if no_yield else "1"}, root)
     stack.procs.append(trainer)
     import httpx2  # the openai client's HTTP library
@@ -294,10 +293,6 @@ def _trainer_pass(stack, env: dict, root: Path, key: str, trainee_key: str, nice
     try:
         wait_until(lambda: "ready" in trainer.tail(20000), 180, "trainer ready", (trainer,))
         line = next(x for x in trainer.tail(20000).splitlines() if "one job at a time" in x)
-        if idle:  # its threads now; the ones torch starts later inherit the main thread's policy
-            for tid in os.listdir(f"/proc/{trainer.popen.pid}/task"):
-                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-            line += ", SCHED_IDLE"
         data = b"".join(json.dumps(e).encode() + b"\n" for e in dataset(64))
         uploaded = b.files.create(file=("long.jsonl", data), purpose="fine-tune")
         job = b.fine_tuning.jobs.create(training_file=uploaded.id, model=SLUG, suffix=f"long{nice}", seed=1,
@@ -411,7 +406,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the core's default)")
     parser.add_argument("--latency-passes", default="10,noyield",
                         help="latency: LORAFLEET_TRAINER_NICE of each pass (holding while the engine is busy, the "
-                             "default); 'noyield': 10 without the holds; 'idle': 10 and SCHED_IDLE (experiment)")
+                             "default); 'noyield': 10 without the holds")
     parser.add_argument("--latency-pairs", type=int, default=16, help="latency: solo/during request pairs per trainer")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()

@@ -73,10 +73,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Real chat questions, short and varied (no download): the workload of every pass.
 # The fleet's adapters: `mixed` is the heavy case (every projection, ranks to 32: each decode row of the fleet reads
 # 3.9-15.7 MB of adapter weights in fp32 against the base's 540 MB shared by all rows); `attention-r8` is what a
-# fine-tuning job makes by default (finetune/: r = 8 on the attention projections, 3.9 MB an adapter)
+# fine-tuning job makes by default (finetune/: r = 8 on the attention projections, 3.9 MB an adapter); targets None: all
 FLEET_SHAPES = {
-    "mixed": {"folder": "smollm2", "ranks": (8, 16, 32), "what": "all seven projections",
-              "targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")},
+    "mixed": {"folder": "smollm2", "ranks": (8, 16, 32), "what": "all seven projections", "targets": None},
     "attention-r8": {"folder": "smollm2-attention-r8", "ranks": (8,), "what": "q/k/v/o",
                      "targets": ("q_proj", "k_proj", "v_proj", "o_proj")},
 }
@@ -844,12 +843,12 @@ def run_main(argv: list[str]) -> None:
     log(f"date {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; host {host_line()}; commit {commit}; "
         f"load average {os.getloadavg()[0]:.1f}; OMP_WAIT_POLICY {args.omp_wait_policy or 'default'}")
     python = client_python()
-    from bench.engine import build_ranked_adapters, smollm2_base
+    from bench.engine import ALL_TARGETS, build_ranked_adapters, smollm2_base
 
     model_dir = smollm2_base()
     shape = FLEET_SHAPES[args.fleet_shape]
     adapters = build_ranked_adapters(Path(args.workdir), model_dir, shape["folder"], ranks=shape["ranks"],
-                                     targets=shape["targets"])
+                                     targets=shape["targets"] or ALL_TARGETS)
     if args.fleet + 3 > len(adapters):
         sys.exit(f"--fleet {args.fleet}: at most {len(adapters) - 3} (three more adapters go to the fairness tenants)")
     fleet_dirs = [d for d, _ in adapters[:args.fleet]]

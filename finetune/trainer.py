@@ -70,6 +70,15 @@ def trainer_nice() -> int:
     return value
 
 
+def _thread_ids() -> list[int]:
+    """This process's threads (Linux keeps a priority and a policy per thread); [0] (the calling thread, for the
+    process-wide call) where there is no /proc."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
 def yield_cpu_to_inference(increment: int) -> int:
     """Make this process `increment` nicer than it is (as `nice -n`, at most 19) and return its niceness.
 
@@ -81,11 +90,7 @@ def yield_cpu_to_inference(increment: int) -> int:
     target = min(19, current + increment)
     if target <= current:
         return current
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # no /proc (not Linux): the process-wide call is all there is
-        tids = [0]
-    for tid in tids:
+    for tid in _thread_ids():
         try:
             os.setpriority(os.PRIO_PROCESS, tid, target)
         except ProcessLookupError:  # a thread that ended meanwhile
@@ -101,11 +106,7 @@ def idle_scheduling() -> bool:
     if policy is None:
         return False
     try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    try:
-        for tid in tids:
+        for tid in _thread_ids():
             try:
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
             except ProcessLookupError:

@@ -328,12 +328,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm as transformers computes it (Gemma2RMSNorm, Gemma3RMSNorm): in fp32, times (1 + weight) in fp32,
-    then cast back. weight_plus_one: 1 + the checkpoint's weight, fp32 (gemma_norm_weight), broadcast over x's last
+    then cast back. weight: 1 + the checkpoint's weight, fp32 (gemma_norm_weight), broadcast over x's last
     dim (or [heads, hd] for the per-head q/k norms)."""
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(x.dtype)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
 def gemma_norm_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -581,16 +581,10 @@ class Projection:
         return out
 
 
-def _no_side(layer: int, group: str) -> None:
-    return None
-
-
-def _not_fused(group: str) -> None:
-    return None
-
-
 class Block:
     """One decoder layer: pre-norm attention and SwiGLU MLP, each with a residual."""
+
+    _head_norm = staticmethod(head_rms_norm)  # the per-head q/k norm off the native kernel (Qwen3's)
 
     def __init__(self, runner: ModelRunner, layer: int, w: dict[str, torch.Tensor]) -> None:
         cfg = runner.config
@@ -624,7 +618,14 @@ class Block:
         self.gate_up = Projection(w_gate_up.contiguous(), pack_rows=pack, native=native)  # [2 intermediate, hidden]
         self.down = Projection(w["mlp.down_proj.weight"], pack_rows=pack, native=native)  # [hidden, intermediate]
         self.window = cfg.sliding_windows[layer]
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)  # the attention scores' (GemmaBlock: query_pre_attn_scalar's)
+        self.scale = runner.attention_scale  # the attention scores' (Gemma: query_pre_attn_scalar's)
+        self.local = False  # rotates with its own RoPE table (GemmaBlock: Gemma 3's sliding layers)
+        # the LoRA targets each GEMM computes, (name, output width) in column order (Block._project)
+        inter = cfg.intermediate_size
+        self._qkv_parts = (("q_proj", self.q_dim), ("k_proj", self.kv_dim), ("v_proj", self.kv_dim))
+        self._o_parts = (("o_proj", cfg.hidden_size),)
+        self._gate_up_parts = (("gate_proj", inter), ("up_proj", inter))
+        self._down_parts = (("down_proj", cfg.hidden_size),)
         # Qwen3: q and k normalised per head before RoPE, one weight [head_dim] each, repeated here to [H + KV, hd]
         # so both go in one pass over the q and k columns of the fused output
         self.qk_norm: torch.Tensor | None = None
@@ -634,78 +635,88 @@ class Block:
                                       w["self_attn.k_norm.weight"].expand(cfg.num_kv_heads, hd)]).contiguous()
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        cfg, lora, layer, native = self.cfg, ctx.lora, self.layer, ctx.native
-        T = x.shape[0]
-        side = ctx.sides.at if ctx.sides is not None else _no_side  # what each GEMM prefetches (StepSides)
-        # a decode step's LoRA term inside each GEMM (kernels.gemm_lora), or None: the GEMM, then lora.add
-        fused = lora.fused if lora is not None and ctx.fuse_lora else _not_fused
-        buffers = lora.lora.buffer_ptrs if lora is not None else []  # each layer's adapter buffer, for the fused calls
+        cfg, layer, native = self.cfg, self.layer, ctx.native
         # --- attention ---
         if native is not None:  # [T, hidden]
             h = native.norm(x, self.input_norm, layer)
         else:
             h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
-        if (f := fused("qkv")) is not None:
-            qkv = self.qkv.with_lora(h, f, buffers[layer])
-        else:
-            qkv = self.qkv(h, side(layer, "qkv"))  # [T, q_dim + 2 kv_dim]
-            if lora is not None:
-                lora.add(qkv[:, :q_end], h, layer, "q_proj")
-                lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
-                lora.add(qkv[:, k_end:], h, layer, "v_proj")
-        # after the projections and their LoRA terms, as PEFT wraps q_proj / k_proj; natively where it can
-        if self.qk_norm is not None and not head_rms_norm_in_place(qkv, self.qk_norm, cfg.rms_norm_eps):
-            qk_heads = qkv[:, :k_end].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk_heads.copy_(head_rms_norm(qk_heads, self.qk_norm, cfg.rms_norm_eps))
-        # q and k rotated in one go: [T, H + KV, hd]; the rotated keys and the values stored in the KV cache
-        kv = self.runner.kv
-        qk = None
-        if native is not None:
-            qk = native.rope_kv(qkv, layer)
-        elif self.runner.native_attention:  # CPU fp32: one native pass for both
-            qk = rope_kv_write(qkv, ctx.cos, ctx.sin, kv.pages(layer), ctx.write_rows, heads=cfg.num_heads,
-                               kv_heads=cfg.num_kv_heads, block_size=kv.block_size, threads=torch.get_num_threads())
-        if qk is None:
-            qk = apply_rope(qkv[:, :k_end].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
-            kv.write(layer, ctx.write_rows, qk[:, cfg.num_heads:], qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim))
-        y = native.attention(layer, self.window) if native is not None else None  # None: not every token on it
-        if y is None:
-            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]  # [T, H, hd], [T, KV, hd]
-            v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, hd]
-            y = self.attend(q, k, v, ctx)  # [T, q_dim]
+        qkv = self._project(self.qkv, "qkv", h, ctx, self._qkv_parts)  # [T, q_dim + 2 kv_dim]
+        self._norm_qk_in_place(qkv)
+        y = self._rope_and_attend(qkv, ctx)  # [T, q_dim]
         # Residual adds fused into the GEMMs (x + y @ W_o^T): no [T, hidden] temporary and no separate add pass.
         # x is this forward's own activation (never a weight).
-        if (f := fused("o")) is not None and x.stride(1) == 1:
-            x = self.o.with_lora(y, f, buffers[layer], x)
-        else:
-            x = self.o.add_to(x, y, side(layer, "o"))
-            if lora is not None:
-                lora.add(x, y, layer, "o_proj")
+        x = self._project(self.o, "o", y, ctx, self._o_parts, residual=x)
         # --- MLP ---
         if native is not None:
             h = native.norm(x, self.post_norm, layer, post=True)
         else:
             h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        inter = cfg.intermediate_size
-        if (f := fused("gate_up")) is not None:
-            gu = self.gate_up.with_lora(h, f, buffers[layer])
-        else:
-            gu = self.gate_up(h, side(layer, "gate_up"))  # [T, 2 * intermediate]
-            if lora is not None:
-                lora.add(gu[:, :inter], h, layer, "gate_proj")
-                lora.add(gu[:, inter:], h, layer, "up_proj")
+        gu = self._project(self.gate_up, "gate_up", h, ctx, self._gate_up_parts)  # [T, 2 * intermediate]
         if native is not None:
             a = native.swiglu(gu, layer)  # [T, intermediate]
         else:
+            inter = cfg.intermediate_size
             a = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-        if (f := fused("down")) is not None and x.stride(1) == 1:
-            x = self.down.with_lora(a, f, buffers[layer], x)
-        else:
-            x = self.down.add_to(x, a, side(layer, "down"))  # x + a @ W_down^T
-            if lora is not None:
-                lora.add(x, a, layer, "down_proj")
-        return x
+        return self._project(self.down, "down", a, ctx, self._down_parts, residual=x)  # x + a @ W_down^T
+
+    def _project(self, proj: Projection, group: str, x: torch.Tensor, ctx: StepContext,
+                 parts: tuple[tuple[str, int], ...], residual: torch.Tensor | None = None) -> torch.Tensor:
+        """proj(x) (+ residual, in place where the GEMM can) with the LoRA terms of the projections it computes,
+        `parts` ((name, output width) in column order): inside the native GEMM on a step whose LoRA the runner fuses
+        (kernels.gemm_lora), else the GEMM (prefetching what ctx.sides names) and then lora.add for each part."""
+        lora, layer = ctx.lora, self.layer
+        if lora is not None and ctx.fuse_lora and (residual is None or residual.stride(1) == 1):
+            fused = lora.fused(group)
+            if fused is not None:
+                return proj.with_lora(x, fused, lora.lora.buffer_ptrs[layer], residual)
+        side = ctx.sides.at(layer, group) if ctx.sides is not None else None
+        y = proj(x, side) if residual is None else proj.add_to(residual, x, side)
+        if lora is not None:
+            if len(parts) == 1:
+                lora.add(y, x, layer, parts[0][0])
+            else:
+                start = 0
+                for name, width in parts:
+                    lora.add(y[:, start:start + width], x, layer, name)
+                    start += width
+        return y
+
+    def _norm_qk_in_place(self, qkv: torch.Tensor) -> None:
+        """The per-head q/k norms where the family has them (Qwen3, Gemma 3), after the projections and their LoRA
+        terms, as PEFT wraps q_proj / k_proj: natively where it can, else `_head_norm` (the family's RMSNorm)."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        if self.qk_norm is not None and not head_rms_norm_in_place(qkv, self.qk_norm, eps):
+            qk_heads = qkv[:, :self.q_dim + self.kv_dim].view(qkv.shape[0], cfg.num_heads + cfg.num_kv_heads,
+                                                               cfg.head_dim)
+            qk_heads.copy_(self._head_norm(qk_heads, self.qk_norm, eps))
+
+    def _rope_and_attend(self, qkv: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """RoPE of q and k in one go ([T, H + KV, hd]; the layer's own RoPE where it has one, Gemma 3's sliding
+        layers), the rotated keys and the values written to the KV cache, then attention -> [T, q_dim]: on the step
+        kernels where every token is on them, else `attend`."""
+        cfg, kv, layer, native = self.cfg, self.runner.kv, self.layer, ctx.native
+        T, k_end = qkv.shape[0], self.q_dim + self.kv_dim
+        qk = y = None
+        if native is not None:
+            qk = native.rope_kv(qkv, layer, local=self.local)
+            if qk is not None:
+                y = native.attention(layer, self.window)  # None: not every token on it
+        if qk is None:
+            cos, sin = ctx.local_rope if self.local and ctx.local_rope is not None else (ctx.cos, ctx.sin)
+            if self.runner.native_attention:  # CPU fp32: one native pass for both
+                qk = rope_kv_write(qkv, cos, sin, kv.pages(layer), ctx.write_rows, heads=cfg.num_heads,
+                                   kv_heads=cfg.num_kv_heads, block_size=kv.block_size,
+                                   threads=torch.get_num_threads())
+            if qk is None:
+                qk = apply_rope(qkv[:, :k_end].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+                kv.write(layer, ctx.write_rows, qk[:, cfg.num_heads:],
+                         qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim))
+        if y is None:
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]  # [T, H, hd], [T, KV, hd]
+            v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, hd]
+            y = self.attend(q, k, v, ctx)
+        return y
 
     def attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """q: [T, H, hd], k_new/v_new: [T, KV, hd] (the step's own, already written to the cache) -> [T, H * hd]."""
@@ -786,6 +797,8 @@ class GemmaBlock(Block):
     attention have kernels of their own (kernels.geglu_tanh; the paged attention kernels' softcap); elsewhere (CUDA,
     bf16, no C compiler) torch's, and softcapped_attention for soft-capped layers (SDPA cannot soft-cap)."""
 
+    _head_norm = staticmethod(gemma_rms_norm)  # Gemma 3's q/k norms off the native kernel, by (1 + weight)
+
     def __init__(self, runner: ModelRunner, layer: int, w: dict[str, torch.Tensor]) -> None:
         super().__init__(runner, layer, w)
         cfg = runner.config
@@ -795,88 +808,36 @@ class GemmaBlock(Block):
         self.post_ff_norm = gemma_norm_weight(w["post_feedforward_layernorm.weight"])
         if self.qk_norm is not None:  # Gemma 3's q_norm / k_norm, repeated per head as Block does, by (1 + weight)
             self.qk_norm = gemma_norm_weight(self.qk_norm)
-        self.scale = gemma_attention_scale(cfg)
         self.softcap = cfg.attn_logit_softcapping
         self.local = cfg.local_rope is not None and cfg.sliding_layers[layer]  # this layer rotates with the local RoPE
-        # the native norms multiply in the model's dtype, (1 + weight) only where that is fp32 (as torch's path casts)
-        self.native_norms = self.input_norm.dtype == torch.float32
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, ctx: StepContext, post: bool) -> torch.Tensor:
         """Gemma's RMSNorm of x [T, hidden]: the step kernels' (one of the layer's two norm buffers: `post` picks
         which, so that an output is read before the same buffer is written again), else gemma_rms_norm."""
-        if ctx.native is not None and self.native_norms:
+        if ctx.native is not None:
             return ctx.native.norm(x, weight, self.layer, post=post)
         return gemma_rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        cfg, lora, layer, eps, native = self.cfg, ctx.lora, self.layer, self.cfg.rms_norm_eps, ctx.native
-        T = x.shape[0]
-        side = ctx.sides.at if ctx.sides is not None else _no_side
-        fused = lora.fused if lora is not None and ctx.fuse_lora else _not_fused  # as Block.forward
-        buffers = lora.lora.buffer_ptrs if lora is not None else []
+        cfg, native = self.cfg, ctx.native
         # --- attention ---
         h = self._norm(x, self.input_norm, ctx, post=False)
-        q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
-        if (f := fused("qkv")) is not None:
-            qkv = self.qkv.with_lora(h, f, buffers[layer])
-        else:
-            qkv = self.qkv(h, side(layer, "qkv"))  # [T, q_dim + 2 kv_dim]
-            if lora is not None:
-                lora.add(qkv[:, :q_end], h, layer, "q_proj")
-                lora.add(qkv[:, q_end:k_end], h, layer, "k_proj")
-                lora.add(qkv[:, k_end:], h, layer, "v_proj")
-        heads = cfg.num_heads + cfg.num_kv_heads
-        # after the projections and their LoRA terms, as PEFT wraps q_proj / k_proj; natively where it can
-        if self.qk_norm is not None and not head_rms_norm_in_place(qkv, self.qk_norm, eps):
-            qk_heads = qkv[:, :k_end].view(T, heads, cfg.head_dim)
-            qk_heads.copy_(gemma_rms_norm(qk_heads, self.qk_norm, eps))
-        kv = self.runner.kv
-        qk = native.rope_kv(qkv, layer, local=self.local) if native is not None else None
-        if qk is None:
-            cos, sin = ctx.local_rope if self.local and ctx.local_rope is not None else (ctx.cos, ctx.sin)
-            if self.runner.native_attention:  # CPU fp32: RoPE and the KV write in one native pass
-                qk = rope_kv_write(qkv, cos, sin, kv.pages(layer), ctx.write_rows, heads=cfg.num_heads,
-                                   kv_heads=cfg.num_kv_heads, block_size=kv.block_size,
-                                   threads=torch.get_num_threads())
-            if qk is None:
-                qk = apply_rope(qkv[:, :k_end].view(T, heads, cfg.head_dim), cos, sin)
-                kv.write(layer, ctx.write_rows, qk[:, cfg.num_heads:],
-                         qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim))
-            y = None
-        else:  # every token on the kernel (soft-capped there where the layer is), or None
-            y = native.attention(layer, self.window) if native is not None else None
-        if y is None:
-            v = qkv[:, k_end:].view(T, cfg.num_kv_heads, cfg.head_dim)
-            y = self.attend(qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], v, ctx)  # [T, q_dim]
-        if (f := fused("o")) is not None:
-            o = self.o.with_lora(y, f, buffers[layer])
-        else:
-            o = self.o(y, side(layer, "o"))
-            if lora is not None:
-                lora.add(o, y, layer, "o_proj")
+        qkv = self._project(self.qkv, "qkv", h, ctx, self._qkv_parts)  # [T, q_dim + 2 kv_dim]
+        self._norm_qk_in_place(qkv)
+        y = self._rope_and_attend(qkv, ctx)  # [T, q_dim]; soft-capped where the layer is
+        o = self._project(self.o, "o", y, ctx, self._o_parts)
         x = x + self._norm(o, self.post_norm, ctx, post=True)
         # --- MLP: GeGLU ---
         h = self._norm(x, self.pre_ff_norm, ctx, post=False)
+        gu = self._project(self.gate_up, "gate_up", h, ctx, self._gate_up_parts)  # [T, 2 * intermediate]
         inter = cfg.intermediate_size
-        if (f := fused("gate_up")) is not None:
-            gu = self.gate_up.with_lora(h, f, buffers[layer])
-        else:
-            gu = self.gate_up(h, side(layer, "gate_up"))  # [T, 2 * intermediate]
-            if lora is not None:
-                lora.add(gu[:, :inter], h, layer, "gate_proj")
-                lora.add(gu[:, inter:], h, layer, "up_proj")
         a = None
-        if cfg.gelu_approximate == "tanh" and gu.dtype == torch.float32 and gu.device.type == "cpu":
-            a = native.geglu(gu, layer) if native is not None else geglu_tanh(gu, inter,
-                                                                              threads=torch.get_num_threads())
+        if cfg.gelu_approximate == "tanh":  # the native gate where the tensors are on it (CPU, fp32)
+            a = native.geglu(gu, self.layer) if native is not None else geglu_tanh(gu, inter,
+                                                                                   threads=torch.get_num_threads())
         if a is None:
             a = F.gelu(gu[:, :inter], approximate=cfg.gelu_approximate).mul_(gu[:, inter:])
-        if (f := fused("down")) is not None:
-            d = self.down.with_lora(a, f, buffers[layer])
-        else:
-            d = self.down(a, side(layer, "down"))
-            if lora is not None:
-                lora.add(d, a, layer, "down_proj")
+        d = self._project(self.down, "down", a, ctx, self._down_parts)
         return x + self._norm(d, self.post_ff_norm, ctx, post=True)
 
     def attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ctx: StepContext) -> torch.Tensor:

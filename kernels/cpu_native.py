@@ -300,34 +300,31 @@ def rope_kv_write(qkv, cos, sin_signed, pages, rows, *, heads: int, kv_heads: in
     return qk
 
 
+def _gated(entry: str, gu, n: int, threads: int):
+    """The library's `entry` (swiglu_f32, geglu_tanh_f32) on fp32 rows gu [T, >= 2n] (gate columns, then up columns;
+    each row contiguous) -> a new [T, n] tensor; None when the native library or this tensor is not covered."""
+    import torch
+
+    lib = load()
+    if (lib is None or gu.dtype != torch.float32 or gu.device.type != "cpu" or gu.dim() != 2 or gu.stride(1) != 1
+            or gu.shape[1] < 2 * n):
+        return None
+    out = torch.empty(gu.shape[0], n, dtype=gu.dtype)
+    getattr(lib, entry)(gu.shape[0], n, gu.data_ptr(), gu.stride(0), out.data_ptr(), n, threads)
+    return out
+
+
 def swiglu(gu, n: int, *, threads: int):
     """SwiGLU's gate of fp32 rows gu [T, >= 2n] (gate columns, then up columns; each row contiguous):
     silu(gu[:, :n]) * gu[:, n:2n] in one pass -> a new [T, n] tensor; None when the native library or this
     tensor is not covered (the caller then uses torch ops)."""
-    import torch
-
-    lib = load()
-    if (lib is None or gu.dtype != torch.float32 or gu.device.type != "cpu" or gu.dim() != 2 or gu.stride(1) != 1
-            or gu.shape[1] < 2 * n):
-        return None
-    out = torch.empty(gu.shape[0], n, dtype=gu.dtype)
-    lib.swiglu_f32(gu.shape[0], n, gu.data_ptr(), gu.stride(0), out.data_ptr(), n, threads)
-    return out
+    return _gated("swiglu_f32", gu, n, threads)
 
 
 def geglu_tanh(gu, n: int, *, threads: int):
-    """GeGLU's gate (Gemma's MLP, hidden_activation gelu_pytorch_tanh) of fp32 rows gu [T, >= 2n] (gate columns, then
-    up columns): gelu_tanh(gu[:, :n]) * gu[:, n:2n] in one pass -> a new [T, n] tensor; None when the native library
-    or this tensor is not covered (the caller then uses torch ops)."""
-    import torch
-
-    lib = load()
-    if (lib is None or gu.dtype != torch.float32 or gu.device.type != "cpu" or gu.dim() != 2 or gu.stride(1) != 1
-            or gu.shape[1] < 2 * n):
-        return None
-    out = torch.empty(gu.shape[0], n, dtype=gu.dtype)
-    lib.geglu_tanh_f32(gu.shape[0], n, gu.data_ptr(), gu.stride(0), out.data_ptr(), n, threads)
-    return out
+    """GeGLU's gate (Gemma's MLP, hidden_activation gelu_pytorch_tanh) of fp32 rows gu [T, >= 2n] as swiglu's:
+    gelu_tanh(gu[:, :n]) * gu[:, n:2n] in one pass -> a new [T, n] tensor; None where swiglu's would be."""
+    return _gated("geglu_tanh_f32", gu, n, threads)
 
 
 def argmax_rows(x, *, threads: int):
@@ -640,15 +637,13 @@ class StepKernels:
 
     def swiglu(self, gu, layer: int = 0):
         """SwiGLU's gate of the fused gate/up GEMM's output [T, 2 intermediate] (contiguous) -> `layer`'s `a`."""
-        a = self._copy(layer)[3]
-        self.lib.swiglu_f32(self.T, self.inter, gu.data_ptr(), 2 * self.inter, a.data_ptr(), self.inter,
-                            self.threads)
-        return a
+        return self._gate(self.lib.swiglu_f32, gu, layer)
 
     def geglu(self, gu, layer: int = 0):
-        """GeGLU's gate with the tanh GELU (geglu_tanh; Gemma's MLP) of the fused gate/up GEMM's output
-        [T, 2 intermediate] (contiguous) -> `layer`'s `a`."""
+        """GeGLU's gate with the tanh GELU (geglu_tanh; Gemma's MLP), as `swiglu` -> `layer`'s `a`."""
+        return self._gate(self.lib.geglu_tanh_f32, gu, layer)
+
+    def _gate(self, entry, gu, layer: int):
         a = self._copy(layer)[3]
-        self.lib.geglu_tanh_f32(self.T, self.inter, gu.data_ptr(), 2 * self.inter, a.data_ptr(), self.inter,
-                                self.threads)
+        entry(self.T, self.inter, gu.data_ptr(), 2 * self.inter, a.data_ptr(), self.inter, self.threads)
         return a

@@ -55,10 +55,7 @@ class Command(BaseCommand):
             hold = trainer_yield_max_s()
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
-        priority = self._yield_cpu(nice)
-        if trainer_yields() and "CPU" in priority:
-            priority += f"; holds its work while an inference engine on this host runs requests (at most {hold:g} s " \
-                        f"at a stretch)"
+        priority = self._yield_cpu(nice, hold)
         owner = trainer_id(base.slug)
         tasks.OWNER["id"] = owner
         reaped = reap_lost_jobs(FineTuningJob.objects.filter(base=base))
@@ -74,7 +71,7 @@ class Command(BaseCommand):
         ])
 
     @staticmethod
-    def _yield_cpu(nice: int) -> str:
+    def _yield_cpu(nice: int, hold: float) -> str:
         """Lower the priority before torch starts its threads (they inherit it); say what the trainer runs at."""
         if "torch" not in sys.modules:  # OpenMP reads its wait policy once, when torch loads it
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -83,6 +80,9 @@ class Command(BaseCommand):
         if torch.cuda.is_available():
             return f"on CUDA at niceness {os.getpriority(os.PRIO_PROCESS, 0)}"
         niceness = yield_cpu_to_inference(nice)
-        idle = nice > 0 and trainer_yields() and idle_scheduling()  # both off: the trainer keeps its priority
+        yields = trainer_yields()
+        idle = nice > 0 and yields and idle_scheduling()  # both off: the trainer keeps its priority
+        holds = f"; holds its work while an inference engine on this host runs requests (at most {hold:g} s at a " \
+                f"stretch)" if yields else ""
         return f"on the CPU at niceness {niceness}{' under SCHED_IDLE' if idle else ''}, OMP_WAIT_POLICY " \
-               f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+               f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}{holds}"
